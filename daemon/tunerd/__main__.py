@@ -1,0 +1,3 @@
+from tunerd.cli import main
+
+raise SystemExit(main())

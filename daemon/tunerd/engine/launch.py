@@ -1,0 +1,46 @@
+"""The engine's command line and environment, built from the config and the parameters in force."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from tunerd.config import EngineConfig
+from tunerd.engine.params import EngineParams
+from tunerd.systemd import SYSTEMD_CHILD_ENV_BLOCKLIST
+
+
+def build_argv(engine: EngineConfig, params: EngineParams) -> list[str]:
+    """`[numactl …] command --model M --host H --port P <params> <extra_args>`.
+
+    The model is always passed as `--model`: `vllm serve --model M` and `python -m
+    vllm.entrypoints.openai.api_server --model M` both accept it (vllm/entrypoints/cli/serve.py).
+    """
+    argv: list[str] = []
+    numa = engine.numactl
+    if numa.enabled:
+        argv.append(numa.command)
+        if numa.cpunodebind is not None:
+            argv.append(f"--cpunodebind={numa.cpunodebind}")
+        if numa.membind is not None:
+            argv.append(f"--membind={numa.membind}")
+    argv += engine.command
+    argv += ["--model", engine.model, "--host", engine.host, "--port", str(engine.port)]
+    argv += params.to_argv()
+    argv += engine.extra_args
+    return argv
+
+
+def build_env(engine: EngineConfig, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The daemon's environment without systemd's notify/watchdog variables, plus the config's `env`.
+
+    vLLM must never see NOTIFY_SOCKET or WATCHDOG_USEC: it would talk to systemd as if it were the
+    service. PYTHONUNBUFFERED makes every line reach the log file at once, so a fatal line is seen
+    within the loop's tick.
+    """
+    env = dict(os.environ if base is None else base)
+    for key in SYSTEMD_CHILD_ENV_BLOCKLIST:
+        env.pop(key, None)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(engine.env)
+    return env

@@ -1,0 +1,134 @@
+"""vLLM's output, line by line, turned into events: readiness facts and classified failures.
+
+`classify_line` is pure: one line in, at most one event out. `LogFollower` is the I/O half: it reads
+the complete lines a child appended to its log file since the last call (vLLM writes the file itself,
+so its output survives a crash of tunerd).
+
+Why the log matters: a start-up failure is printed long before the process exits (~80 s of
+compile warm-up on CPU, fixtures fail_block_size.log and fail_kv_too_small.log), and when the engine
+core dies the API server exits with code 0 (engine_killed_run2.log). The error line is the first and
+most precise signal.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from tunerd.engine.failures import EngineFailure, FailureKind
+
+
+@dataclass(frozen=True, slots=True)
+class KvCacheSize:
+    """`CPU KV cache size: 1,952 tokens, Maximum concurrency for 512 tokens per request: 3.81x`."""
+
+    tokens: int
+    max_concurrency: float | None
+    for_model_len: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class InitEngineTook:
+    """`init engine (profile, create kv cache, warmup model) took 36.72 s`."""
+
+    seconds: float
+
+
+LogEvent = EngineFailure | KvCacheSize | InitEngineTook
+
+# (substring that must be present, regex or None, kind). Checked in order; the substring test keeps
+# the common case (an ordinary INFO line) at a few `in` checks.
+_FAILURE_PATTERNS: tuple[tuple[str, re.Pattern[str] | None, FailureKind], ...] = (
+    # fail_kv_too_small.log
+    ("To serve at least one request", None, FailureKind.KV_CACHE_TOO_SMALL),
+    ("No available memory for the cache blocks", None, FailureKind.NO_KV_MEMORY),
+    # GPU: "Free memory on device cuda:0 (9.24/139.8 GiB) on startup is less than desired GPU memory
+    # utilization" (vllm-0.24.0-h200/second_server_b.log); CPU: "Available memory on node 0 ... is less".
+    ("on startup is less than desired", None, FailureKind.INSUFFICIENT_MEMORY),
+    ("is less than requested memory for kv", None, FailureKind.INSUFFICIENT_MEMORY),
+    ("Failed to load model - not enough GPU memory", None, FailureKind.OUT_OF_MEMORY),
+    ("OutOfMemoryError", None, FailureKind.OUT_OF_MEMORY),
+    ("CUDA out of memory", None, FailureKind.OUT_OF_MEMORY),
+    # fail_block_size.log: "ValueError: No common block size for 16 (CPU_ATTN: [MultipleOf(32)])."
+    ("No common block size", None, FailureKind.INVALID_BLOCK_SIZE),
+    # fail_bad_model.log: the message does not say "not found".
+    ("HFValidationError:", None, FailureKind.MODEL_NOT_FOUND),
+    ("is not a local folder and is not a valid model identifier", None, FailureKind.MODEL_NOT_FOUND),
+    ("does not appear to have a file named config.json", None, FailureKind.MODEL_NOT_FOUND),
+    ("Repository Not Found", None, FailureKind.MODEL_NOT_FOUND),
+    # fail_port_in_use.log
+    ("Address already in use", None, FailureKind.PORT_IN_USE),
+    # argparse: "api_server.py: error: unrecognized arguments: --swap-space 4" (exit 2)
+    ("error: unrecognized arguments", None, FailureKind.BAD_ARGUMENTS),
+    (": error: argument ", re.compile(r"^\S+: error: argument "), FailureKind.BAD_ARGUMENTS),
+    ("Engine core initialization failed", None, FailureKind.ENGINE_INIT_FAILED),
+    # engine_killed_run2.log, crash_worker_sigill_eager.log
+    ("engine core exited unexpectedly", None, FailureKind.ENGINE_DEAD),
+    ("EngineCore encountered a fatal error", None, FailureKind.ENGINE_DEAD),
+    ("died unexpectedly", re.compile(r"Worker proc \S+ died unexpectedly"), FailureKind.ENGINE_DEAD),
+    ("EngineDeadError", None, FailureKind.ENGINE_DEAD),
+)
+
+_ESTIMATED_MAX_LEN = re.compile(r"estimated maximum model length is (\d+)")
+_KV_CACHE_SIZE = re.compile(
+    r"KV cache size: ([\d,]+) tokens(?:, Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x)?"
+)
+_INIT_ENGINE = re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s")
+
+
+def classify_line(line: str) -> LogEvent | None:
+    """Return the event one output line carries, or None for the many lines that carry none."""
+    for needle, pattern, kind in _FAILURE_PATTERNS:
+        if needle in line and (pattern is None or pattern.search(line)):
+            estimate = _ESTIMATED_MAX_LEN.search(line) if kind is FailureKind.KV_CACHE_TOO_SMALL else None
+            return EngineFailure(kind, line.strip(), int(estimate.group(1)) if estimate else None)
+    if "KV cache size:" in line and (m := _KV_CACHE_SIZE.search(line)):
+        concurrency = float(m.group(3)) if m.group(3) else None
+        model_len = int(m.group(2).replace(",", "")) if m.group(2) else None
+        return KvCacheSize(int(m.group(1).replace(",", "")), concurrency, model_len)
+    if "init engine" in line and (m := _INIT_ENGINE.search(line)):
+        return InitEngineTook(float(m.group(1)))
+    return None
+
+
+class LogFollower:
+    """Reads the complete lines appended to a file since the previous call. Not thread-safe."""
+
+    MAX_LINE = 64 * 1024  # a longer line is cut: tracebacks can carry huge reprs
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self._offset = 0
+        self._partial = b""
+        self._skipping = False  # inside the rest of a line already cut at MAX_LINE
+
+    def read_lines(self) -> list[str]:
+        """New complete lines (without newline). A missing file yields no lines."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        if not data:
+            return []
+        self._offset += len(data)
+        if self._skipping:
+            newline = data.find(b"\n")
+            if newline < 0:
+                return []
+            data, self._skipping = data[newline + 1 :], False
+        *complete, self._partial = (self._partial + data).split(b"\n")
+        if len(self._partial) > self.MAX_LINE:
+            complete.append(self._partial)  # emit the cut line now; drop its rest up to the newline
+            self._partial, self._skipping = b"", True
+        return [raw[: self.MAX_LINE].decode("utf-8", "replace").rstrip("\r") for raw in complete]
+
+    def read_rest(self) -> list[str]:
+        """Like read_lines, plus a final unterminated line (use once the writer has exited)."""
+        lines = self.read_lines()
+        if self._partial:
+            lines.append(self._partial[: self.MAX_LINE].decode("utf-8", "replace"))
+            self._partial = b""
+        return lines

@@ -1,0 +1,122 @@
+"""Every OS call the supervisor makes on processes, behind one small facade (after Supervisor).
+
+Tests replace `OsCalls` with a recording fake; the daemon uses the real one. Nothing here decides
+anything: it spawns, signals, reaps and lists, and reports what the kernel said.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import shutil
+import signal
+from collections.abc import Mapping, Sequence
+
+from tunerd.observe import procfs
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+class OsCalls:
+    """The real facade. `proc` is injectable so listing functions can read a fake /proc tree."""
+
+    def __init__(self, proc: str = "/proc") -> None:
+        self.proc = proc
+
+    def spawn(self, argv: Sequence[str], env: Mapping[str, str], log_path: str) -> int:
+        """Start `argv` in a new session (so its own process group), output appended to `log_path`.
+
+        Returns the pid, which is also the process-group id. `argv[0]` is looked up on the child's
+        PATH. Raises OSError when it cannot start (FileNotFoundError: no such program).
+
+        posix_spawn rather than subprocess.Popen: the exit status is collected by `reap_children`
+        (waitpid(-1)), and Popen's own bookkeeping would compete for it.
+        """
+        program = resolve_program(argv[0], env.get("PATH"))
+        actions = [
+            (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+            (os.POSIX_SPAWN_OPEN, 1, log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640),
+            (os.POSIX_SPAWN_DUP2, 1, 2),
+        ]
+        return os.posix_spawn(program, list(argv), dict(env), file_actions=actions, setsid=True)
+
+    def signal_group(self, pgid: int, sig: int) -> bool:
+        """Send `sig` to every process of the group. False when the group no longer exists."""
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return False
+        return True
+
+    def signal_pid(self, pid: int, sig: int) -> bool:
+        """Send `sig` to one process. False when it no longer exists (or is not ours to signal)."""
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+
+    def reap_children(self) -> list[tuple[int, int]]:
+        """Collect every exited child without blocking: [(pid, raw wait status)].
+
+        With the subreaper flag set, orphaned grandchildren (vLLM's worker outlives its parent by
+        ~2 s, fixture engine_killed_run2) are our children too, so they are reaped here instead of
+        lingering as zombies.
+        """
+        reaped: list[tuple[int, int]] = []
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return reaped
+            if pid == 0:
+                return reaped
+            reaped.append((pid, status))
+
+    def group_pids(self, pgid: int) -> list[int]:
+        """Live processes of the process group. Zombies are dead (they hold no memory or port)."""
+        stats = (procfs.read_stat(pid, self.proc) for pid in procfs.list_pids(self.proc))
+        return [st.pid for st in stats if st is not None and st.pgrp == pgid and st.state != "Z"]
+
+    def marked_pids(self, key: str, value: str) -> list[int]:
+        """Live processes whose environment holds KEY=value (tunerd's marker, inherited by vLLM's tree)."""
+        return procfs.pids_with_env(key, value, self.proc)
+
+    @staticmethod
+    def become_subreaper() -> bool:
+        """Ask Linux to re-parent orphaned descendants to us. False where unsupported."""
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+        except (OSError, AttributeError):
+            return False
+
+
+def resolve_program(name: str, path: str | None) -> str:
+    """The executable `name` names: as given when it has a slash, else found on `path` (or ours)."""
+    if os.sep in name:
+        return name
+    found = shutil.which(name, path=path) or shutil.which(name)
+    if found is None:
+        raise FileNotFoundError(errno.ENOENT, f"program {name!r} not found on PATH", name)
+    return found
+
+
+def pid_alive(pid: int) -> bool:
+    """True when a process with this pid exists (zombies included)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError as exc:
+        return exc.errno != errno.ESRCH
+    return True
+
+
+SIGTERM = signal.SIGTERM
+SIGKILL = signal.SIGKILL

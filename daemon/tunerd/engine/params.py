@@ -1,0 +1,76 @@
+"""The engine parameters tunerd manages: typed vLLM flags, their argv form and backend constraints.
+
+`EngineParams` holds only the flags a tuner may move. Everything else an operator wants on the command
+line goes to `engine.extra_args` in the config and is passed through untouched. A field left at None is
+not passed, so vLLM's own default applies.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Backend = Literal["cuda", "cpu"]
+
+
+class EngineParams(BaseModel):
+    """The tunable vLLM flags. Immutable; `replace()` returns a changed copy."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_model_len: int | None = Field(default=None, gt=0)
+    max_num_seqs: int | None = Field(default=None, gt=0)
+    max_num_batched_tokens: int | None = Field(default=None, gt=0)
+    block_size: int | None = Field(default=None, gt=0)
+    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
+    kv_cache_memory_bytes: int | None = Field(default=None, gt=0)
+    kv_cache_dtype: str | None = None
+    cpu_offload_gb: float | None = Field(default=None, ge=0)
+    enable_chunked_prefill: bool | None = None
+    enable_prefix_caching: bool | None = None
+
+    def replace(self, **changes: Any) -> EngineParams:
+        """Return a validated copy with `changes` applied."""
+        return EngineParams.model_validate({**self.model_dump(), **changes})
+
+    def as_dict(self) -> dict[str, Any]:
+        """The parameters that are set, as a plain dict (journal and state-file form)."""
+        return self.model_dump(exclude_none=True)
+
+    def to_argv(self) -> list[str]:
+        """vLLM command-line flags for the parameters that are set, in field order."""
+        argv: list[str] = []
+        for name, value in self.as_dict().items():
+            flag = "--" + name.replace("_", "-")
+            if isinstance(value, bool):
+                # vLLM declares these with argparse.BooleanOptionalAction: --x / --no-x.
+                argv.append(flag if value else "--no-" + flag[2:])
+            else:
+                argv += [flag, _format_value(value)]
+        return argv
+
+    def diff(self, other: EngineParams) -> dict[str, tuple[Any, Any]]:
+        """Fields whose values differ: name -> (self's value, other's value)."""
+        mine, theirs = self.model_dump(), other.model_dump()
+        return {k: (mine[k], theirs[k]) for k in mine if mine[k] != theirs[k]}
+
+
+def _format_value(value: object) -> str:
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+def backend_problems(params: EngineParams, backend: Backend) -> list[str]:
+    """Constraints the backend is known to enforce, as readable problems (empty when none apply).
+
+    CPU: block size must be a multiple of 32 (vLLM: "No common block size for 16 (CPU_ATTN:
+    [MultipleOf(32)])", fixture fail_block_size.log). CUDA: FlashAttention needs a multiple of 16.
+    """
+    problems: list[str] = []
+    if params.block_size is not None:
+        multiple = 32 if backend == "cpu" else 16
+        if params.block_size % multiple:
+            problems.append(f"block_size {params.block_size} is not a multiple of {multiple} on {backend}")
+    return problems

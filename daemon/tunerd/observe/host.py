@@ -1,0 +1,322 @@
+"""Host memory signals from procfs: capacity, page cache, swap, page faults, PSI, and the engine's share.
+
+On a DGX Spark / GB10 CPU and GPU share one memory, NVML reports no memory figures, and the signals that
+exist everywhere are the host's: `/proc/meminfo`, the `/proc/vmstat` fault and swap counters,
+`/proc/pressure/memory`, and per-process minflt/majflt/VmRSS (shared/docs/vllm-facts.md, "Unified
+memory"). The same readers serve discrete-GPU hosts, where they show host RAM pressure from the API
+server, tokenizers and CPU offload.
+
+Cost matters: the sampler runs every second. A sample reads `meminfo`, `vmstat` and `pressure/memory`
+once each, plus `stat` and `status` of each engine pid, and parses them with plain string operations.
+psutil is not used: its procfs root is a module global (`psutil.PROCFS_PATH`), not a per-collector
+parameter, and its memory call reads more than we need.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from tunerd.observe.procfs import read_stat, read_status_rss_bytes
+
+__all__ = [
+    "EngineUsage",
+    "HostCollector",
+    "HostSample",
+    "MemoryPressure",
+    "PsiLine",
+    "pci_sysfs_name",
+    "read_engine_usage",
+    "read_meminfo",
+    "read_memory_pressure",
+    "read_numa_node_meminfo",
+    "read_pci_numa_node",
+    "read_vmstat",
+]
+
+_VMSTAT_KEYS = frozenset({"pswpin", "pswpout", "pgfault", "pgmajfault"})
+
+
+def _read_text(path: str) -> str:
+    # One read per file; procfs files are small and generated on read.
+    with open(path, "rb") as f:
+        return f.read().decode("ascii", "replace")
+
+
+def _parse_kb_lines(lines: Iterable[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for line in lines:
+        key, sep, rest = line.partition(":")
+        if not sep:
+            continue
+        parts = rest.split()
+        if not parts:
+            continue
+        try:
+            value = int(parts[0])
+        except ValueError:
+            continue
+        out[key.strip()] = value * 1024 if len(parts) > 1 and parts[1] == "kB" else value
+    return out
+
+
+def read_meminfo(proc: str = "/proc") -> dict[str, int]:
+    """Return `<proc>/meminfo` as {key: value}; values with a `kB` unit are converted to bytes, the
+    others (HugePages_* counts) are kept as they are. Raises OSError if the file can't be read."""
+    return _parse_kb_lines(_read_text(f"{proc}/meminfo").splitlines())
+
+
+def read_numa_node_meminfo(node: int, sys: str = "/sys") -> dict[str, int]:
+    """Return `<sys>/devices/system/node/node<node>/meminfo` as {key: bytes}, the `Node N ` prefix
+    stripped (`Node 0 MemTotal: 8611612 kB` → `{"MemTotal": 8818290688}`). Raises OSError if the file
+    can't be read (no such node, or no NUMA support)."""
+    text = _read_text(f"{sys}/devices/system/node/node{node}/meminfo")
+    # "Node 0 MemTotal:  8611612 kB": drop the first two words.
+    return _parse_kb_lines(line.split(None, 2)[-1] for line in text.splitlines() if line.strip())
+
+
+def read_vmstat(proc: str = "/proc", keys: Iterable[str] | None = None) -> dict[str, int]:
+    """Return `<proc>/vmstat` counters as {name: value}: all of them, or only those of `keys` that the
+    kernel has. Raises OSError if the file can't be read."""
+    text = _read_text(f"{proc}/vmstat")
+    out: dict[str, int] = {}
+    if keys is None:
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            try:
+                out[name] = int(value)
+            except ValueError:
+                continue
+        return out
+    # ~180 lines, we want 4: find them instead of splitting every line (halves the cost).
+    text = "\n" + text
+    for key in keys:
+        start = text.find(f"\n{key} ")
+        if start < 0:
+            continue
+        start += len(key) + 2
+        end = text.find("\n", start)
+        value = text[start : end if end >= 0 else None].strip()
+        if value.isdigit():
+            out[key] = int(value)
+    return out
+
+
+def pci_sysfs_name(bus_id: str) -> str | None:
+    """NVML's PCI bus id ("00000000:00:06.0", GB10's "0000000F:01:00.0") → the sysfs device name
+    ("0000:00:06.0", "000f:01:00.0"); None if it isn't one."""
+    domain, sep, rest = bus_id.strip().partition(":")
+    try:
+        return f"{int(domain, 16):04x}:{rest.lower()}" if sep and rest else None
+    except ValueError:
+        return None
+
+
+def read_pci_numa_node(bus_id: str, sys: str = "/sys") -> int | None:
+    """The NUMA node of a PCI device, from `<sys>/bus/pci/devices/<id>/numa_node`; None if the file is
+    absent or unreadable, or says -1 (no NUMA affinity)."""
+    name = pci_sysfs_name(bus_id)
+    if name is None:
+        return None
+    try:
+        node = int(_read_text(f"{sys}/bus/pci/devices/{name}/numa_node").strip())
+    except (OSError, ValueError):
+        return None
+    return node if node >= 0 else None
+
+
+@dataclass(frozen=True)
+class PsiLine:
+    """One line of a PSI file: share of wall time stalled (percent) over 10/60/300 s, and the
+    cumulative stall time in microseconds."""
+
+    avg10: float
+    avg60: float
+    avg300: float
+    total_us: int
+
+
+@dataclass(frozen=True)
+class MemoryPressure:
+    """`<proc>/pressure/memory`: `some` = at least one task stalled on memory, `full` = all non-idle
+    tasks stalled at once. `full` is None only if the kernel printed no such line."""
+
+    some: PsiLine
+    full: PsiLine | None
+
+
+def _parse_psi_line(words: list[str]) -> PsiLine:
+    fields = dict(w.split("=", 1) for w in words if "=" in w)
+    return PsiLine(
+        avg10=float(fields["avg10"]),
+        avg60=float(fields["avg60"]),
+        avg300=float(fields["avg300"]),
+        total_us=int(fields["total"]),
+    )
+
+
+def read_memory_pressure(proc: str = "/proc") -> MemoryPressure | None:
+    """Return memory PSI, or None where the kernel has none: the file is absent (kernel without
+    CONFIG_PSI, some containers), reading fails with EOPNOTSUPP (booted with psi=0) or any other OSError,
+    or the content can't be parsed. None means "not known", never "no pressure"."""
+    try:
+        text = _read_text(f"{proc}/pressure/memory")
+    except OSError:
+        return None
+    lines: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        words = line.split()
+        if words:
+            lines[words[0]] = words[1:]
+    try:
+        some = _parse_psi_line(lines["some"])
+        full = _parse_psi_line(lines["full"]) if "full" in lines else None
+    except (KeyError, ValueError):
+        return None
+    return MemoryPressure(some=some, full=full)
+
+
+@dataclass(frozen=True)
+class EngineUsage:
+    """Summed over the engine processes that could be read (`pids`): cumulative minor and major page
+    faults and resident memory.
+
+    The sums are over a set that changes when a process exits or starts, so a rate computed from two
+    samples is only valid when `pids` are equal in both. RSS counts pages shared between the processes
+    (shared memory, shared libraries) once per process, so it is an upper bound of their footprint.
+    """
+
+    pids: tuple[int, ...]
+    minflt_total: int
+    majflt_total: int
+    rss_bytes: int
+
+
+def read_engine_usage(pids: Iterable[int], proc: str = "/proc") -> EngineUsage | None:
+    """Read `stat` and `status` of each pid and sum faults and VmRSS; skip pids that vanished.
+
+    Returns None if no pid was given or none could be read (the engine is not running). A process
+    without VmRSS (a zombie) counts its faults and zero RSS.
+    """
+    read: list[int] = []
+    minflt = majflt = rss = 0
+    for pid in dict.fromkeys(pids):  # keeps order, drops duplicates
+        st = read_stat(pid, proc)
+        if st is None:
+            continue
+        read.append(pid)
+        minflt += st.minflt
+        majflt += st.majflt
+        rss += read_status_rss_bytes(pid, proc) or 0
+    if not read:
+        return None
+    return EngineUsage(pids=tuple(read), minflt_total=minflt, majflt_total=majflt, rss_bytes=rss)
+
+
+@dataclass(frozen=True)
+class HostSample:
+    """One host sample. Sizes in bytes; `*_total` are cumulative kernel counters since boot (the
+    caller turns two samples into rates with `taken_at`, a monotonic time in seconds). A field is None
+    when the kernel does not provide it; None never means 0.
+
+    `page_cache_bytes` is `Buffers + Cached − Shmem`: the file-backed page cache that dropping caches
+    could release. Shmem (tmpfs, /dev/shm, which vLLM uses for IPC) sits inside `Cached` but can't be
+    dropped, so it is taken out and kept apart in `shmem_bytes`. SReclaimable slab is not included.
+    """
+
+    taken_at: float
+    mem_total_bytes: int | None
+    mem_available_bytes: int | None
+    mem_free_bytes: int | None
+    page_cache_bytes: int | None
+    shmem_bytes: int | None
+    swap_total_bytes: int | None
+    swap_used_bytes: int | None
+    swap_in_pages_total: int | None
+    swap_out_pages_total: int | None
+    pgfault_total: int | None
+    pgmajfault_total: int | None
+    pressure: MemoryPressure | None
+    engine: EngineUsage | None
+
+    def as_readings(self) -> dict[str, float | None]:
+        """Flat view for metrics and rules: exactly the keys below, None where unknown."""
+        psi, eng = self.pressure, self.engine
+        full = psi.full if psi is not None else None
+        return {
+            "host.mem_total_bytes": _f(self.mem_total_bytes),
+            "host.mem_available_bytes": _f(self.mem_available_bytes),
+            "host.mem_free_bytes": _f(self.mem_free_bytes),
+            "host.swap_total_bytes": _f(self.swap_total_bytes),
+            "host.swap_used_bytes": _f(self.swap_used_bytes),
+            "host.swap_in_pages_total": _f(self.swap_in_pages_total),
+            "host.swap_out_pages_total": _f(self.swap_out_pages_total),
+            "host.pgfault_total": _f(self.pgfault_total),
+            "host.pgmajfault_total": _f(self.pgmajfault_total),
+            "host.psi_some_avg10": psi.some.avg10 if psi is not None else None,
+            "host.psi_full_avg10": full.avg10 if full is not None else None,
+            "host.psi_some_total_us": float(psi.some.total_us) if psi is not None else None,
+            "host.psi_full_total_us": float(full.total_us) if full is not None else None,
+            "host.page_cache_bytes": _f(self.page_cache_bytes),
+            "engine.minflt_total": float(eng.minflt_total) if eng is not None else None,
+            "engine.majflt_total": float(eng.majflt_total) if eng is not None else None,
+            "engine.rss_bytes": float(eng.rss_bytes) if eng is not None else None,
+        }
+
+
+def _f(value: int | None) -> float | None:
+    return None if value is None else float(value)
+
+
+def _diff(a: int | None, b: int | None) -> int | None:
+    return None if a is None or b is None else a - b
+
+
+class HostCollector:
+    """Takes `HostSample`s from a procfs tree (`proc`, default "/proc"); `sys` is kept for NUMA
+    readers (`numa_node_meminfo`). `clock` stamps `taken_at` (monotonic seconds; tests pass a fake)."""
+
+    def __init__(
+        self, proc: str = "/proc", sys: str = "/sys", clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.proc = proc
+        self.sys = sys
+        self._clock = clock
+
+    def numa_node_meminfo(self, node: int) -> dict[str, int]:
+        """`read_numa_node_meminfo(node, self.sys)`; raises OSError if the node has no meminfo."""
+        return read_numa_node_meminfo(node, self.sys)
+
+    def sample(self, engine_pids: Iterable[int] = ()) -> HostSample:
+        """Read one sample; `engine_pids` are the engine's processes (see procfs.pids_in_group).
+
+        Raises OSError only if `<proc>/meminfo` can't be read (procfs not mounted). A missing or
+        unreadable vmstat or PSI file gives None fields; vanished engine pids are skipped.
+        """
+        taken_at = self._clock()
+        mem = read_meminfo(self.proc)
+        try:
+            vm = read_vmstat(self.proc, _VMSTAT_KEYS)
+        except OSError:
+            vm = {}
+        cached, buffers, shmem = mem.get("Cached"), mem.get("Buffers"), mem.get("Shmem")
+        page_cache = None
+        if cached is not None and buffers is not None:
+            page_cache = cached + buffers - (shmem or 0)
+        return HostSample(
+            taken_at=taken_at,
+            mem_total_bytes=mem.get("MemTotal"),
+            mem_available_bytes=mem.get("MemAvailable"),
+            mem_free_bytes=mem.get("MemFree"),
+            page_cache_bytes=page_cache,
+            shmem_bytes=shmem,
+            swap_total_bytes=mem.get("SwapTotal"),
+            swap_used_bytes=_diff(mem.get("SwapTotal"), mem.get("SwapFree")),
+            swap_in_pages_total=vm.get("pswpin"),
+            swap_out_pages_total=vm.get("pswpout"),
+            pgfault_total=vm.get("pgfault"),
+            pgmajfault_total=vm.get("pgmajfault"),
+            pressure=read_memory_pressure(self.proc),
+            engine=read_engine_usage(engine_pids, self.proc),
+        )

@@ -1,0 +1,55 @@
+"""Periodic observation jobs (APScheduler threads) that only post results to the main loop's queue.
+
+The jobs never touch supervisor state. They read `target`, an immutable tuple the main loop replaces
+as a whole (an atomic reference swap), and put their results on the event queue.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from typing import Any
+
+import httpx
+from apscheduler.schedulers.background import BackgroundScheduler
+
+from tunerd.config import TimeoutsConfig
+from tunerd.observe.health import probe_health
+
+STARTING_PROBE_S = 0.25  # real vLLM refuses connections until it serves; then /health is 200 at once
+
+
+class HealthJob:
+    """Probes `/health` of the current run: every 0.25 s while starting, every interval while running."""
+
+    def __init__(self, events: queue.SimpleQueue[Any], timeouts: TimeoutsConfig) -> None:
+        self.events = events
+        self.timeouts = timeouts
+        # (run id, base URL, starting?) or None when there is nothing to probe.
+        self.target: tuple[int, str, bool] | None = None
+        self._scheduler = BackgroundScheduler(daemon=True)
+        self._client = httpx.Client(trust_env=False)
+        self._last_probe = 0.0
+        self._last_run: int | None = None
+
+    def start(self) -> None:
+        self._scheduler.add_job(
+            self.tick, "interval", seconds=STARTING_PROBE_S, max_instances=1, coalesce=True, id="health"
+        )
+        self._scheduler.start()
+
+    def stop(self) -> None:
+        self._scheduler.shutdown(wait=False)
+        self._client.close()
+
+    def tick(self) -> None:
+        target = self.target
+        if target is None:
+            return
+        run_id, base_url, starting = target
+        interval = STARTING_PROBE_S if starting else self.timeouts.health_interval_s
+        now = time.monotonic()
+        if run_id == self._last_run and now - self._last_probe < interval:
+            return
+        self._last_probe, self._last_run = now, run_id
+        self.events.put(probe_health(self._client, base_url, run_id, self.timeouts.health_timeout_s))

@@ -1,0 +1,63 @@
+"""`tunerd status`: the daemon's status document as a readable page."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def render_status(doc: dict[str, Any]) -> str:
+    """Engine state and parameters, uptime, last journal record, and the signals as a table."""
+    daemon, engine = doc.get("daemon", {}), doc.get("engine", {})
+    uptime = _duration(daemon.get("uptime_s"))
+    lines = [
+        f"tunerd {daemon.get('version', '?')}  pid {daemon.get('pid', '?')}  up {uptime}",
+        f"engine: {engine.get('status', engine.get('state', '?'))}",
+    ]
+    if engine.get("uptime_s") is not None:
+        lines.append(f"  serving for {_duration(engine['uptime_s'])}")
+    for key, label in (("fatal_reason", "FATAL"), ("waiting_reason", "start delayed"), ("log", "log")):
+        if engine.get(key):
+            lines.append(f"  {label}: {engine[key]}")
+    if engine.get("next_start_in_s") is not None:
+        lines.append(f"  next start in {engine['next_start_in_s']} s")
+    if engine.get("consecutive_failures"):
+        lines.append(f"  consecutive failures: {engine['consecutive_failures']}")
+    if engine.get("restarts"):
+        lines.append("  restarts: " + ", ".join(f"{k} {v}" for k, v in sorted(engine["restarts"].items())))
+    lines.append("parameters:")
+    known_good = engine.get("known_good") or {}
+    for name, value in sorted((engine.get("params") or {}).items()):
+        mark = "" if known_good.get(name) == value else "  (not yet known-good)"
+        lines.append(f"  {name:<26} {value}{mark}")
+    if daemon.get("journal_error"):
+        lines.append(f"journal: NOT WRITABLE: {daemon['journal_error']} (tuning frozen)")
+    last = doc.get("last_journal")
+    if last:
+        lines.append(f"last journal record: #{last.get('seq')} {last.get('time')} {last.get('event')}")
+    signals = doc.get("signals") or {}
+    if signals:
+        lines.append("signals:")
+        width = max(len(name) for name in signals)
+        for name, entry in sorted(signals.items()):
+            value, unit = (
+                (entry.get("value"), entry.get("unit", "")) if isinstance(entry, dict) else (entry, "")
+            )
+            lines.append(f"  {name:<{width}}  {_number(value):>14}  {unit}")
+    return "\n".join(lines)
+
+
+def _number(value: Any) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e6 else f"{value:,.0f}"
+    return str(value)
+
+
+def _duration(seconds: Any) -> str:
+    if not isinstance(seconds, (int, float)):
+        return "?"
+    seconds = int(seconds)
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"

