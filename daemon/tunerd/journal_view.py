@@ -41,6 +41,8 @@ def format_record(record: Record) -> str:
 
 
 def _format_value(value: Any) -> str:
+    if value is None:
+        return "-"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k}={_format_value(v)}" for k, v in value.items()) + "}"
     if isinstance(value, list):

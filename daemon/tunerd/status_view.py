@@ -11,7 +11,7 @@ def render_status(doc: dict[str, Any]) -> str:
     uptime = _duration(daemon.get("uptime_s"))
     lines = [
         f"tunerd {daemon.get('version', '?')}  pid {daemon.get('pid', '?')}  up {uptime}",
-        f"engine: {engine.get('status', engine.get('state', '?'))}",
+        f"engine: {engine.get('state', '?')}" + (f" (pid {engine['pid']})" if engine.get("pid") else ""),
     ]
     if engine.get("uptime_s") is not None:
         lines.append(f"  serving for {_duration(engine['uptime_s'])}")

@@ -255,10 +255,9 @@ class Supervisor:
         self, params: EngineParams, action: str, reason: str, delay: float, **fields: Any
     ) -> bool:
         """Announce a start in the journal (intent, fsynced) and queue it. False if not durable."""
-        before = self.params if params != self.params else None
-        intent = self._intent(
-            action, reason=reason, params=params, params_before=before, delay_s=delay, **fields
-        )
+        if params != self.params:
+            fields["params_before"] = self.params
+        intent = self._intent(action, reason=reason, params=params, delay_s=delay, **fields)
         if intent is None and params != self.params:
             log.error("change.refused", reason="journal unwritable: no change without a durable intent")
             return False
