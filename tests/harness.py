@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
 from tunerd.observe import procfs
 
 REPO = Path(__file__).resolve().parents[1]

@@ -111,6 +111,13 @@ class PathsConfig(_Section):
         return self.state_dir / "export.addr"
 
 
+class ObserveConfig(_Section):
+    poll_interval_s: PositiveSeconds = 1.0
+    window_s: PositiveSeconds = 60.0
+    # NVML samples PCIe TX and RX over ~20 ms each: 40 ms of the poll thread's time per poll.
+    gpu_pcie: bool = True
+
+
 class ExportConfig(_Section):
     enabled: bool = True
     host: str = "127.0.0.1"
@@ -127,6 +134,7 @@ class Config(_Section):
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
     backoff: BackoffConfig = Field(default_factory=BackoffConfig)
     paths: PathsConfig = Field(default_factory=PathsConfig)
+    observe: ObserveConfig = Field(default_factory=ObserveConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 

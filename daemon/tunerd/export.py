@@ -20,12 +20,32 @@ from tunerd.engine.states import EngineState
 COMMANDS = frozenset({"resume"})
 
 
+# Signal units (observe/signals.py) → Prometheus base-unit suffixes (exporter naming conventions).
+_UNIT_SUFFIX = {
+    "ratio 0..1": "ratio",
+    "1/0": "",
+    "1/s": "per_second",
+    "s": "seconds",
+    "bytes": "bytes",
+    "bytes/s": "bytes_per_second",
+    "tokens": "tokens",
+    "tokens/s": "tokens_per_second",
+    "pages/s": "pages_per_second",
+    "percent": "percent",
+    "requests": "",
+}
+
+
 def signal_metric_name(signal_name: str, unit: str) -> str:
-    """`kv_cache.usage` + `ratio` → `tunerd_signal_kv_cache_usage_ratio` (unit suffix unless redundant)."""
-    base = "tunerd_signal_" + signal_name.replace(".", "_").replace("-", "_")
-    suffix = {"1/s": "per_second", "%": "percent", "tokens/s": "tokens_per_second"}.get(unit, unit)
-    suffix = suffix.replace("/", "_per_").replace(" ", "_")
-    return base if not suffix or base.endswith("_" + suffix) else f"{base}_{suffix}"
+    """`kv_cache.usage` in `ratio 0..1` → `tunerd_signal_kv_cache_usage_ratio`.
+
+    The unit's suffix is left out when the name already says it (`host.mem_available_bytes_min`).
+    """
+    words = signal_name.replace(".", "_").replace("-", "_")
+    suffix = _UNIT_SUFFIX.get(unit, "")
+    if suffix and suffix.split("_")[0] in words.split("_"):
+        suffix = ""
+    return f"tunerd_signal_{words}" + (f"_{suffix}" if suffix else "")
 
 
 class Metrics:

@@ -36,9 +36,13 @@ from tunerd.export import Exporter, Metrics
 from tunerd.journal import Journal, JournalError, utc_now
 from tunerd.logs import configure_logging
 from tunerd.observe.health import HealthResult
-from tunerd.observe.jobs import HealthJob
+from tunerd.observe.jobs import ObserveJobs
+from tunerd.observe.poller import PollSample, PollTarget
+from tunerd.observe.signals import SIGNALS, SignalWindow
 from tunerd.state import DaemonState, EngineRecord, StateStore
 from tunerd.systemd import Notifier
+
+_SIGNAL_UNITS = {spec.name: spec.unit for spec in SIGNALS}
 
 EX_OK = 0
 EX_CONFIG = 78  # sysexits.h: configuration error (RestartPreventExitStatus in the unit)
@@ -105,7 +109,9 @@ class Supervisor:
         self.restarts: Counter[str] = Counter()
         self.started_mono = monotonic()
         self.reaper: LeftoverReaper | None = None
-        self.health = HealthJob(self.events, config.timeouts)
+        self.jobs = ObserveJobs(self.events, config.timeouts, config.observe)
+        self.window = SignalWindow(config.observe.window_s)
+        self.signals: dict[str, float | None] = {}
         self.metrics = Metrics()
         self.exporter: Exporter | None = None
 
@@ -177,7 +183,7 @@ class Supervisor:
     def run(self) -> int:
         """Run until shut down. Returns the process exit status."""
         self._install_signal_handlers()
-        self.health.start()
+        self.jobs.start()
         self.notifier.ready(self._status_line())
         try:
             while self.exit_code is None:
@@ -185,7 +191,7 @@ class Supervisor:
                 self._step(self.monotonic())
                 self.notifier.watchdog(self.monotonic())
         finally:
-            self.health.stop()
+            self.jobs.stop()
             if self.exporter is not None:
                 self.exporter.stop()
             self.journal.close()
@@ -215,6 +221,8 @@ class Supervisor:
             self.reload_requested = True
         elif isinstance(event, HealthResult):
             self._on_health(event, self.monotonic())
+        elif isinstance(event, PollSample):
+            self._on_poll(event)
         elif isinstance(event, Command):
             self._on_command(event)
 
@@ -284,6 +292,8 @@ class Supervisor:
         except OSError as exc:
             self._on_spawn_error(exc, now)
             return
+        host = self.config.engine.host
+        run.base_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{self.config.engine.port}"
         self.dstate.engine = EngineRecord(
             pid=run.pid, pgid=run.pgid, started=run.started_wall.isoformat(), log=str(run.log_path)
         )
@@ -468,7 +478,7 @@ class Supervisor:
         old, self.config = self.config, new
         self.metrics.reload_ok.set(1)
         self.metrics.reload_time.set_to_current_time()
-        self.health.timeouts = new.timeouts
+        self.jobs.health.timeouts = new.timeouts
         configure_logging(new.logging.level, new.logging.format)
         if new.paths != old.paths or new.export != old.export:
             log.warning("config.restart_needed", detail="[paths] and [export] take effect at daemon restart")
@@ -571,17 +581,36 @@ class Supervisor:
         self.notifier.status(self._status_line())
 
     def _publish_probe_target(self) -> None:
+        """Tell the observation jobs what to look at (an immutable value, swapped whole)."""
         engine = self.engine
         assert engine is not None
-        run = engine.run
-        probing = run is not None and engine.state in (EngineState.STARTING, EngineState.RUNNING)
-        host = self.config.engine.host
-        host = "127.0.0.1" if host in ("0.0.0.0", "") else host
-        self.health.target = (
-            (run.run_id, f"http://{host}:{self.config.engine.port}", engine.state is EngineState.STARTING)
-            if probing and run
-            else None
-        )
+        run, state = engine.run, engine.state
+        if run is None or state not in (EngineState.STARTING, EngineState.RUNNING):
+            self.jobs.health.target = None
+            self.jobs.poller.target = None
+            return
+        health = (run.run_id, run.base_url, state is EngineState.STARTING)
+        if self.jobs.health.target != health:
+            self.jobs.health.target = health
+        serving = run.base_url if state is EngineState.RUNNING else None
+        poll = PollTarget(run.run_id, serving, run.pid)
+        if self.jobs.poller.target != poll:
+            self.jobs.poller.target = poll
+
+    def _on_poll(self, sample: PollSample) -> None:
+        """Fold one observation into the signal window; a failed scrape is a missing sample, never 0."""
+        run = self.engine.run if self.engine else None
+        current = run is not None and sample.run_id == run.run_id
+        scrape = sample.scrape if current else None
+        engine_sample = scrape.sample if scrape is not None else None
+        self.metrics.scrape_up.set(1.0 if scrape is not None and scrape.error is None else 0.0)
+        if scrape is not None and scrape.error:
+            log.debug("engine.scrape_failed", error=scrape.error)
+        try:
+            self.signals = dict(self.window.update(sample.taken_at, engine_sample, sample.readings))
+        except ValueError:  # a sample older than the last one (never with one poll thread): drop it
+            return
+        self.metrics.set_signals(self.signals, _SIGNAL_UNITS)
 
     def _publish_status(self, now: float) -> None:
         if self.exporter is None:
@@ -616,6 +645,10 @@ class Supervisor:
                     "restarts": dict(self.restarts),
                 },
                 "last_journal": self.journal.last_record,
+                "signals": {
+                    name: {"value": value, "unit": _SIGNAL_UNITS.get(name, "")}
+                    for name, value in self.signals.items()
+                },
             }
         )
 

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
-from tunerd.observe import procfs
 
 from tests.engine.conftest import real_sections
 from tests.harness import Daemon
+from tunerd.observe import procfs
 
 pytestmark = pytest.mark.engine
 
@@ -28,7 +30,7 @@ def daemon(
     tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, vllm_cache: dict[str, str]
 ) -> Iterator[Daemon]:
     workdir = tmp_path_factory.mktemp("lifecycle")
-    daemon = Daemon(workdir, real_sections(tiny_model, vllm_cache))
+    daemon = Daemon(workdir, real_sections(tiny_model, vllm_cache, observe={"poll_interval_s": 0.5}))
     daemon.start()
     try:
         yield daemon
@@ -58,6 +60,54 @@ def test_real_vllm_comes_up_running_with_its_kv_cache_size_read(daemon: Daemon) 
     )
     assert answer.status_code == 200
     assert answer.json()["usage"]["completion_tokens"] == 8
+
+
+def generate_load(daemon: Daemon, requests: int = 24, max_tokens: int = 400) -> list[int]:
+    """Concurrent completions that fill the 1,952-token KV cache (vllm-facts.md); returns the statuses."""
+    body = {
+        "model": str(daemon.sections["engine"]["model"]),
+        "prompt": "The quick brown fox jumps over the lazy dog today",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
+
+    def one() -> int:
+        return httpx.post(f"{vllm_url(daemon)}/v1/completions", json=body, timeout=300).status_code
+
+    with ThreadPoolExecutor(requests) as pool:
+        return list(pool.map(lambda _: one(), range(requests)))
+
+
+def test_under_load_the_kv_cache_signal_passes_0_9_and_preemptions_are_counted(daemon: Daemon) -> None:
+    daemon.wait_state("RUNNING", timeout=400)
+    seen: dict[str, float] = {"kv": 0.0, "preemptions": 0.0}
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            signals = daemon.status().get("signals", {})
+            kv = signals.get("kv_cache.usage", {}).get("value")
+            rate = signals.get("preemptions.rate", {}).get("value")
+            seen["kv"] = max(seen["kv"], kv or 0.0)
+            seen["preemptions"] = max(seen["preemptions"], rate or 0.0)
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        statuses = generate_load(daemon)
+        time.sleep(1.5)  # one more poll after the load
+    finally:
+        done.set()
+        watcher.join(5)
+    assert statuses == [200] * len(statuses)
+    assert seen["kv"] > 0.9, f"KV-cache usage signal peaked at {seen['kv']}"
+    assert seen["preemptions"] > 0, "preemptions were counted"
+    metrics = daemon.metrics_text()
+    assert "tunerd_engine_up 1.0" in metrics
+    assert "tunerd_signal_kv_cache_usage_max_ratio" in metrics
+    assert "tunerd_engine_scrape_up 1.0" in metrics
 
 
 def test_killing_the_engine_core_is_noticed_reaped_and_restarted(daemon: Daemon) -> None:

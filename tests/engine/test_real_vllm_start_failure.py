@@ -13,10 +13,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-from tunerd.journal import parse_time
 
 from tests.engine.conftest import real_sections
 from tests.harness import running_daemon
+from tunerd.journal import parse_time
 
 pytestmark = pytest.mark.engine
 

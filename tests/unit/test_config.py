@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from tunerd.config import Config, ConfigError, load_config, parse_config
 from tunerd.engine.params import EngineParams
 

@@ -6,6 +6,7 @@ import os
 import signal
 
 import pytest
+
 from tunerd.engine.exits import ExitStatus
 
 

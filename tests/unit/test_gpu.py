@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from structlog.testing import capture_logs
+
 from tunerd.observe.gpu import GpuCollector
 
 MIB = 1024 * 1024

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+
 from tunerd.observe import host
 from tunerd.observe.host import (
     HostCollector,

@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+
 from tunerd.journal import Journal, JournalError, read_records
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from tunerd.config import EngineConfig, NumactlConfig
 from tunerd.engine.launch import build_argv, build_env
 from tunerd.engine.params import EngineParams

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from tunerd.act.leftovers import LeftoverReaper
 from tunerd.engine.oscalls import SIGKILL, SIGTERM
 from tunerd.engine.process import MARKER_ENV

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from tunerd.engine.failures import EngineFailure, FailureKind, more_specific
 from tunerd.engine.logwatch import InitEngineTook, KvCacheSize, LogFollower, classify_line
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
+
 from tunerd.engine.params import EngineParams, backend_problems
 
 

@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+
 from tunerd.observe.procfs import (
     list_pids,
     pids_in_group,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from tunerd.config import BackoffConfig
 from tunerd.decide.restart_policy import (
     Action,

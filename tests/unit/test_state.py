@@ -8,6 +8,7 @@ import stat
 from pathlib import Path
 
 import pytest
+
 from tunerd.durable import atomic_write
 from tunerd.state import DaemonState, EngineRecord, StateStore
 

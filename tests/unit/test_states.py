@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from tunerd.engine.states import (
     PROCESS_STATES,
     TRANSITIONS,

@@ -49,6 +49,7 @@ class EngineRun:
     stop_started_mono: float | None = None
     kill_sent: bool = False
     health_failures: int = 0
+    base_url: str = ""  # where this run's vLLM listens (set by the supervisor at spawn)
     lines_seen: int = 0
     tail: list[str] = field(default_factory=list)
 

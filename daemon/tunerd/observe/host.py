@@ -191,6 +191,7 @@ class EngineUsage:
     minflt_total: int
     majflt_total: int
     rss_bytes: int
+    faults_by_pid: tuple[tuple[int, int, int], ...] = ()  # (pid, minflt, majflt) for each pid read
 
 
 def read_engine_usage(pids: Iterable[int], proc: str = "/proc") -> EngineUsage | None:
@@ -199,19 +200,23 @@ def read_engine_usage(pids: Iterable[int], proc: str = "/proc") -> EngineUsage |
     Returns None if no pid was given or none could be read (the engine is not running). A process
     without VmRSS (a zombie) counts its faults and zero RSS.
     """
-    read: list[int] = []
-    minflt = majflt = rss = 0
+    read: list[tuple[int, int, int]] = []
+    rss = 0
     for pid in dict.fromkeys(pids):  # keeps order, drops duplicates
         st = read_stat(pid, proc)
         if st is None:
             continue
-        read.append(pid)
-        minflt += st.minflt
-        majflt += st.majflt
+        read.append((pid, st.minflt, st.majflt))
         rss += read_status_rss_bytes(pid, proc) or 0
     if not read:
         return None
-    return EngineUsage(pids=tuple(read), minflt_total=minflt, majflt_total=majflt, rss_bytes=rss)
+    return EngineUsage(
+        pids=tuple(pid for pid, _, _ in read),
+        minflt_total=sum(minor for _, minor, _ in read),
+        majflt_total=sum(major for _, _, major in read),
+        rss_bytes=rss,
+        faults_by_pid=tuple(read),
+    )
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Periodic observation jobs (APScheduler threads) that only post results to the main loop's queue.
 
-The jobs never touch supervisor state. They read `target`, an immutable tuple the main loop replaces
+The jobs never touch supervisor state. They read targets, immutable values the main loop replaces
 as a whole (an atomic reference swap), and put their results on the event queue.
 """
 
@@ -13,8 +13,10 @@ from typing import Any
 import httpx
 from apscheduler.schedulers.background import BackgroundScheduler
 
-from tunerd.config import TimeoutsConfig
+from tunerd.config import ObserveConfig, TimeoutsConfig
+from tunerd.observe.gpu import GpuCollector
 from tunerd.observe.health import probe_health
+from tunerd.observe.poller import Poller
 
 STARTING_PROBE_S = 0.25  # real vLLM refuses connections until it serves; then /health is 200 at once
 
@@ -27,20 +29,9 @@ class HealthJob:
         self.timeouts = timeouts
         # (run id, base URL, starting?) or None when there is nothing to probe.
         self.target: tuple[int, str, bool] | None = None
-        self._scheduler = BackgroundScheduler(daemon=True)
         self._client = httpx.Client(trust_env=False)
         self._last_probe = 0.0
         self._last_run: int | None = None
-
-    def start(self) -> None:
-        self._scheduler.add_job(
-            self.tick, "interval", seconds=STARTING_PROBE_S, max_instances=1, coalesce=True, id="health"
-        )
-        self._scheduler.start()
-
-    def stop(self) -> None:
-        self._scheduler.shutdown(wait=False)
-        self._client.close()
 
     def tick(self) -> None:
         target = self.target
@@ -53,3 +44,32 @@ class HealthJob:
             return
         self._last_probe, self._last_run = now, run_id
         self.events.put(probe_health(self._client, base_url, run_id, self.timeouts.health_timeout_s))
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class ObserveJobs:
+    """The scheduler with the health probe and the poll; started and stopped by the supervisor."""
+
+    def __init__(
+        self, events: queue.SimpleQueue[Any], timeouts: TimeoutsConfig, observe: ObserveConfig
+    ) -> None:
+        self.health = HealthJob(events, timeouts)
+        self.poller = Poller(events, gpu=GpuCollector(read_pcie=observe.gpu_pcie))
+        self._poll_interval_s = observe.poll_interval_s
+        self._scheduler = BackgroundScheduler(daemon=True)
+
+    def start(self) -> None:
+        for job, seconds, name in (
+            (self.health.tick, STARTING_PROBE_S, "health"),
+            (self.poller.tick, self._poll_interval_s, "poll"),
+        ):
+            # One instance at a time; a late run is skipped, not queued (a slow scrape never piles up).
+            self._scheduler.add_job(job, "interval", seconds=seconds, max_instances=1, coalesce=True, id=name)
+        self._scheduler.start()
+
+    def stop(self) -> None:
+        self._scheduler.shutdown(wait=False)
+        self.health.close()
+        self.poller.close()

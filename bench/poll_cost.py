@@ -1,0 +1,222 @@
+#!/usr/bin/env python3
+"""What one observation cycle costs, side by side with parsing vLLM's whole /metrics, against real vLLM.
+
+    .venv/bin/python bench/poll_cost.py [--polls 300] [--model DIR]
+
+Starts `tunerd run` on real vLLM (CPU build, a tiny model made on the spot unless --model is given),
+waits until it serves, puts some load through it so the histograms hold data, then, in this process,
+alternates N times:
+  baseline  `prometheus_client.parser.text_string_to_metric_families` over the full /metrics text
+            (fetched untimed just before)
+  cycle     one tunerd poll: scrape of vLLM (filtered, keep-alive) + extraction + host sample + GPU
+            sample + signal-window update, exactly what the daemon's poll job and main loop do
+Both in CPU time (`time.process_time`, user + system, so the kernel's loopback work counts). It prints
+medians and spread, the ratio (target: the cycle at least 10x cheaper), a breakdown of the cycle, and the
+running daemon's own resident memory and CPU use while it polls every second (target: RSS < 100 MB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tunerd.observe.poller import Poller, PollTarget
+from tunerd.observe.signals import SignalWindow
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_daemon(work: Path, model: Path) -> tuple[subprocess.Popen[bytes], int]:
+    port = free_port()
+    cache = work / "cache"
+    config = work / "tunerd.toml"
+    config.write_text(
+        f"""
+[engine]
+command = ["{sys.executable}", "-m", "vllm.entrypoints.openai.api_server"]
+model = "{model}"
+port = {port}
+[engine.env]
+HF_HUB_OFFLINE = "1"
+VLLM_CACHE_ROOT = "{cache}/vllm"
+TORCHINDUCTOR_CACHE_DIR = "{cache}/inductor"
+[engine.params]
+max_model_len = 512
+kv_cache_memory_bytes = 1000000
+block_size = 32
+max_num_seqs = 16
+[timeouts]
+startup_s = 600.0
+[paths]
+state_dir = "{work}/state"
+[export]
+port = 0
+[logging]
+format = "json"
+"""
+    )
+    log = open(work / "tunerd.log", "wb")  # noqa: SIM115 - lives as long as the daemon
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "tunerd", "run", "--config", str(config)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    return daemon, port
+
+
+def wait_running(work: Path, daemon: subprocess.Popen[bytes]) -> dict:
+    started = time.monotonic()
+    while True:
+        if daemon.poll() is not None:
+            raise SystemExit(f"tunerd exited with {daemon.returncode}; see {work}/tunerd.log")
+        try:
+            address = (work / "state" / "export.addr").read_text().strip()
+            status = httpx.get(f"http://{address}/status", timeout=2).json()
+            if status["engine"]["state"] == "RUNNING":
+                say(f"   vLLM serving after {time.monotonic() - started:.0f} s")
+                return status
+        except (OSError, httpx.HTTPError, KeyError, ValueError):
+            pass
+        if int(time.monotonic() - started) % 15 == 0:
+            say(f"   waiting for vLLM to come up ({time.monotonic() - started:.0f} s)")
+        time.sleep(1)
+
+
+def warm_up(base_url: str, model: Path) -> None:
+    body = {"model": str(model), "prompt": "The quick brown fox", "max_tokens": 64, "ignore_eos": True}
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda _: httpx.post(f"{base_url}/v1/completions", json=body, timeout=120), range(8)))
+
+
+def cpu_ms(fn: Callable[[], object]) -> float:
+    started = time.process_time_ns()
+    fn()
+    return (time.process_time_ns() - started) / 1e6
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def proc_memory(pid: int) -> dict[str, float]:
+    values = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            values[key] = int(rest.split()[0]) / 1024
+    return values
+
+
+def spread(values: list[float]) -> str:
+    q = statistics.quantiles(values, n=10)
+    return f"median {statistics.median(values):.3f} ms  (p10 {q[0]:.3f}, p90 {q[-1]:.3f}, n={len(values)})"
+
+
+def measure(base_url: str, root_pid: int, polls: int) -> None:
+    poller = Poller(None)
+    poller.target = PollTarget(1, base_url, root_pid)
+    window = SignalWindow(60.0)
+    client = httpx.Client(trust_env=False)
+    full, cycle, scrape_only, host_only, gpu_only, window_only = [], [], [], [], [], []
+    sizes = []
+    for i in range(polls):
+        text = client.get(f"{base_url}/metrics").text
+        sizes.append(text.count("\n"))
+        full.append(cpu_ms(lambda t=text: list(text_string_to_metric_families(t))))
+
+        def one_cycle() -> None:
+            sample = poller.poll()
+            window.update(sample.taken_at, sample.scrape.sample if sample.scrape else None, sample.readings)
+
+        cycle.append(cpu_ms(one_cycle))
+        if i % 3 == 0:  # the parts, on their own, for the breakdown
+            scrape_only.append(cpu_ms(lambda: poller._scrape(poller.target)))  # noqa: SLF001
+            host_only.append(cpu_ms(lambda: poller.host.sample(poller._pids)))  # noqa: SLF001
+            gpu_only.append(cpu_ms(lambda: poller.gpu.sample(poller._pids)))  # noqa: SLF001
+            sample = poller.poll()
+            engine = sample.scrape.sample if sample.scrape else None
+            window_only.append(cpu_ms(lambda s=sample, e=engine: window.update(s.taken_at, e, s.readings)))
+        time.sleep(0.02)
+    last = poller.poll()
+    assert last.scrape is not None and last.scrape.error is None, last.scrape
+    say(f"\n/metrics: {statistics.median(sizes):.0f} lines in full; the poll asks for "
+        f"{last.scrape.body_bytes} bytes of it (name[] filter)")
+    say(f"baseline  full parse (prometheus_client.parser)   {spread(full)}")
+    say(f"tunerd    poll cycle (scrape+extract+host+GPU+signals) {spread(cycle)}")
+    say(f"   scrape + extract {statistics.median(scrape_only):.3f} ms · host {statistics.median(host_only):.3f} ms"
+        f" · GPU {statistics.median(gpu_only):.3f} ms ({'no GPU' if not last.gpu.available else 'NVML'})"
+        f" · signal window {statistics.median(window_only):.3f} ms")
+    ratio = statistics.median(full) / statistics.median(cycle)
+    say(f"RATIO     full parse / poll cycle = {ratio:.1f}x  (target >= 10x: {'met' if ratio >= 10 else 'NOT met'})")
+    poller.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--polls", type=int, default=300)
+    parser.add_argument("--model", type=Path, help="model directory (default: a tiny one made now)")
+    parser.add_argument("--daemon-seconds", type=float, default=30.0, help="how long to watch the daemon's CPU")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="tunerd-poll-cost-"))
+    model = args.model
+    if model is None:
+        model = work / "model"
+        say("1. making a tiny model")
+        subprocess.run([sys.executable, str(REPO / "scripts" / "make-tiny-model.py"), str(model)], check=True,
+                       capture_output=True)
+    say("2. starting tunerd on real vLLM (30-90 s on a CPU)")
+    daemon, port = start_daemon(work, model)
+    try:
+        status = wait_running(work, daemon)
+        base_url = f"http://127.0.0.1:{port}"
+        say("3. warming vLLM up (8 requests) so its histograms hold data")
+        warm_up(base_url, model)
+        say(f"4. {args.polls} alternating measurements in this process")
+        measure(base_url, status["engine"]["pid"], args.polls)
+        say(f"5. the daemon itself, polling every 1 s, for {args.daemon_seconds:.0f} s")
+        cpu_before, wall_before = proc_cpu_seconds(daemon.pid), time.monotonic()
+        time.sleep(args.daemon_seconds)
+        cpu_used = proc_cpu_seconds(daemon.pid) - cpu_before
+        memory = proc_memory(daemon.pid)
+        say(f"DAEMON    RSS {memory['VmRSS']:.1f} MB (peak {memory['VmHWM']:.1f} MB; target < 100 MB: "
+            f"{'met' if memory['VmHWM'] < 100 else 'NOT met'}) · CPU "
+            f"{100 * cpu_used / (time.monotonic() - wall_before):.2f} % of one core")
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        try:
+            daemon.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(daemon.pid, signal.SIGKILL)
+    say(json.dumps({"work_dir": str(work)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
