@@ -214,6 +214,16 @@ class Daemon:
         return leftovers
 
 
+def assert_in_order(events: list[str], expected: list[str]) -> None:
+    """`expected` occurs in `events` in this order (other events may come between)."""
+    position = 0
+    for name in expected:
+        try:
+            position = events.index(name, position) + 1
+        except ValueError:
+            raise AssertionError(f"{name!r} missing after position {position} in {events}") from None
+
+
 def _zombie(pid: int) -> bool:
     stat = procfs.read_stat(pid)
     return stat is None or stat.state == "Z"

@@ -69,6 +69,7 @@ class EngineConfig(_Section):
 class TimeoutsConfig(_Section):
     startup_s: PositiveSeconds = 900.0
     graceful_stop_s: PositiveSeconds = 30.0
+    drain_s: float = Field(default=20.0, ge=0)
     health_interval_s: PositiveSeconds = 5.0
     health_timeout_s: PositiveSeconds = 2.0
     health_failures: int = Field(default=3, ge=1)
@@ -116,6 +117,25 @@ class ObserveConfig(_Section):
     window_s: PositiveSeconds = 60.0
     # NVML samples PCIe TX and RX over ~20 ms each: 40 ms of the poll thread's time per poll.
     gpu_pcie: bool = True
+    # Where meminfo and pressure/memory are read (a container can point at the host's /proc).
+    memory_proc: str = "/proc"
+
+
+class GuardConfig(_Section):
+    interval_s: PositiveSeconds = 0.5
+    min_available_bytes: int = Field(default=2 << 30, ge=0)
+    min_available_ratio: float = Field(default=0.03, ge=0, lt=1)
+    max_psi_full_avg10: float = Field(default=60.0, gt=0, le=100)
+    emergency_grace_s: PositiveSeconds = 2.0
+    wedge_after_s: float = Field(default=120.0, ge=0)
+
+
+class PreflightConfig(_Section):
+    max_wait_s: PositiveSeconds = 180.0
+    memory_tolerance_bytes: int = Field(default=1 << 30, ge=0)
+    memory_tolerance_ratio: float = Field(default=0.05, ge=0, lt=1)
+    drop_page_cache: bool = False
+    page_cache_advice_ratio: float = Field(default=0.10, gt=0, le=1)
 
 
 class ExportConfig(_Section):
@@ -135,6 +155,8 @@ class Config(_Section):
     backoff: BackoffConfig = Field(default_factory=BackoffConfig)
     paths: PathsConfig = Field(default_factory=PathsConfig)
     observe: ObserveConfig = Field(default_factory=ObserveConfig)
+    guard: GuardConfig = Field(default_factory=GuardConfig)
+    preflight: PreflightConfig = Field(default_factory=PreflightConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 

@@ -17,7 +17,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from tunerd.engine.states import EngineState
 
-COMMANDS = frozenset({"resume"})
+COMMANDS = frozenset({"resume", "restart"})
+MAX_COMMAND_BODY = 64 * 1024
 
 
 # Signal units (observe/signals.py) → Prometheus base-unit suffixes (exporter naming conventions).
@@ -116,7 +117,13 @@ class Metrics:
 class Exporter:
     """Serves `/metrics`, `/status` and `POST /resume` from a daemon thread."""
 
-    def __init__(self, host: str, port: int, metrics: Metrics, post_command: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        metrics: Metrics,
+        post_command: Callable[[str, dict[str, Any]], str | None],
+    ) -> None:
         self.metrics = metrics
         self.post_command = post_command
         self._snapshot: dict[str, Any] = {}
@@ -160,7 +167,21 @@ class Exporter:
                 if name not in COMMANDS:
                     self._reply(404, b"unknown command\n", "text/plain")
                     return
-                exporter.post_command(name)
+                length = int(self.headers.get("Content-Length") or 0)
+                if length > MAX_COMMAND_BODY:
+                    self._reply(413, b'{"error": "body too large"}\n', "application/json")
+                    return
+                try:
+                    payload = json.loads(self.rfile.read(length) or b"{}")
+                except ValueError:
+                    payload = None
+                if not isinstance(payload, dict):
+                    self._reply(400, b'{"error": "the body must be a JSON object"}\n', "application/json")
+                    return
+                error = exporter.post_command(name, payload)
+                if error is not None:
+                    self._reply(400, json.dumps({"error": error}).encode() + b"\n", "application/json")
+                    return
                 self._reply(202, b'{"accepted": true}\n', "application/json")
 
             def _reply(self, code: int, body: bytes, content_type: str) -> None:

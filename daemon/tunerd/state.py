@@ -39,7 +39,15 @@ class DaemonState(BaseModel):
     # edits them, their edit wins over tuned values.
     base_params: dict[str, Any] | None = None
     last_known_good: dict[str, Any] | None = None
+    # False after an upgrade (vLLM, driver, model) until a start with the last-known-good set succeeds.
+    known_good_verified: bool = True
     engine: EngineRecord | None = None
+    # Free memory before the first start (the memory-return gate's baseline); reset by resume/reload.
+    baseline: dict[str, int | None] | None = None
+    # vLLM version, driver/CUDA versions and model identity at the last successful start.
+    identity: dict[str, Any] | None = None
+    # What `<command> --help` showed, per command (checked once; vLLM imports take 10-20 s).
+    capabilities: dict[str, Any] | None = None
 
 
 class StateStore:

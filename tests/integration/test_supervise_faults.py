@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.harness import Daemon, running_daemon, wait_until
+from tests.harness import Daemon, assert_in_order, running_daemon, wait_until
 from tests.integration.conftest import fake_sections
 
 
@@ -28,8 +28,20 @@ def test_start_ready_and_sigterm_stop_leave_nothing(workdir: Path) -> None:
         assert daemon.stop() == 0
         assert not any(_alive(pid) for pid in tree)
     events = daemon.events()
-    assert events[:3] == ["daemon.started", "intent", "engine.spawned"]
-    assert events[-2:] == ["engine.stopped", "daemon.stopped"]
+    assert_in_order(
+        events,
+        [
+            "daemon.started",
+            "intent",
+            "preflight.passed",
+            "engine.spawned",
+            "engine.ready",
+            "outcome",
+            "engine.stopped",
+            "daemon.stopped",
+        ],
+    )
+    assert events[-1] == "daemon.stopped"
     stopped = next(r for r in daemon.records() if r["event"] == "engine.stopped")
     assert stopped["sigkill"] is False and stopped["reason"] == "daemon shutdown"
     outcome = next(r for r in daemon.records() if r["event"] == "outcome")

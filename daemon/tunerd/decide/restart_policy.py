@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from tunerd.config import BackoffConfig
-from tunerd.engine.failures import UNFIXABLE, EngineFailure, FailureKind
+from tunerd.engine.failures import BLAMES_PARAMS, UNFIXABLE, EngineFailure, FailureKind
 from tunerd.engine.params import EngineParams
 
 
@@ -78,6 +78,9 @@ def decide_after_failure(
         if can_roll_back:
             return RestartDecision(Action.ROLLBACK, 0.0, 0, f"{kind}: back to last-known-good", known_good)
         return RestartDecision(Action.FATAL, 0.0, failures, f"{kind}: retrying cannot help")
+
+    if kind in BLAMES_PARAMS and can_roll_back:
+        return RestartDecision(Action.ROLLBACK, 0.0, 0, f"{kind}: these parameters failed", known_good)
 
     corrected = _corrected_params(failure, params)
     if corrected is not None:

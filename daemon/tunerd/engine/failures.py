@@ -24,10 +24,23 @@ class FailureKind(StrEnum):
     HEALTH_FAILED = "health_failed"  # /health failed repeatedly while running
     EXITED = "exited"  # the process exited on its own (exit code 0 included: not a clean stop)
     KILLED = "killed"  # killed by a signal tunerd did not send (SIGKILL: likely the OOM killer)
+    MEMORY_EMERGENCY = "memory_emergency"  # the host-wedge guard stopped it (MemAvailable / PSI)
+    WEDGED = "wedged"  # requests running, no token produced for too long (/health may still say 200)
+    PREFLIGHT = "preflight"  # the start's preflight did not clear in time (memory, port, leftovers)
+    PLAN_REFUSED = "plan_refused"  # the capacity planner predicts these parameters cannot fit
 
 
 # Failures that no retry with the same command line can cure.
-UNFIXABLE = frozenset({FailureKind.MODEL_NOT_FOUND, FailureKind.BAD_ARGUMENTS, FailureKind.SPAWN_FAILED})
+UNFIXABLE = frozenset(
+    {
+        FailureKind.MODEL_NOT_FOUND,
+        FailureKind.BAD_ARGUMENTS,
+        FailureKind.SPAWN_FAILED,
+        FailureKind.PLAN_REFUSED,
+    }
+)
+# Failures that blame the parameters in force: roll back to last-known-good at once when it differs.
+BLAMES_PARAMS = frozenset({FailureKind.MEMORY_EMERGENCY})
 # Generic kinds: a more specific cause seen in the same run replaces them.
 GENERIC = frozenset(
     {FailureKind.ENGINE_INIT_FAILED, FailureKind.ENGINE_DEAD, FailureKind.EXITED, FailureKind.KILLED}

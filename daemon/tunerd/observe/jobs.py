@@ -8,15 +8,20 @@ from __future__ import annotations
 
 import queue
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
+import structlog
 from apscheduler.schedulers.background import BackgroundScheduler
 
-from tunerd.config import ObserveConfig, TimeoutsConfig
+from tunerd.config import Config, TimeoutsConfig
 from tunerd.observe.gpu import GpuCollector
 from tunerd.observe.health import probe_health
+from tunerd.observe.memory import read_memory
 from tunerd.observe.poller import Poller
+
+log = structlog.get_logger("tunerd")
 
 STARTING_PROBE_S = 0.25  # real vLLM refuses connections until it serves; then /health is 200 at once
 
@@ -49,25 +54,57 @@ class HealthJob:
         self._client.close()
 
 
+class MemoryGuardJob:
+    """Reads host memory every `guard.interval_s` while vLLM starts or runs (the host-wedge guard)."""
+
+    def __init__(self, events: queue.SimpleQueue[Any], proc: str) -> None:
+        self.events = events
+        self.proc = proc
+        self.active = False  # set by the main loop
+
+    def tick(self) -> None:
+        if self.active:
+            self.events.put(read_memory(self.proc))
+
+
 class ObserveJobs:
     """The scheduler with the health probe and the poll; started and stopped by the supervisor."""
 
-    def __init__(
-        self, events: queue.SimpleQueue[Any], timeouts: TimeoutsConfig, observe: ObserveConfig
-    ) -> None:
+    def __init__(self, events: queue.SimpleQueue[Any], config: Config) -> None:
+        timeouts, observe, guard = config.timeouts, config.observe, config.guard
+        self.events = events
         self.health = HealthJob(events, timeouts)
         self.poller = Poller(events, gpu=GpuCollector(read_pcie=observe.gpu_pcie))
+        self.memory = MemoryGuardJob(events, observe.memory_proc)
         self._poll_interval_s = observe.poll_interval_s
+        self._guard_interval_s = guard.interval_s
         self._scheduler = BackgroundScheduler(daemon=True)
 
     def start(self) -> None:
         for job, seconds, name in (
             (self.health.tick, STARTING_PROBE_S, "health"),
             (self.poller.tick, self._poll_interval_s, "poll"),
+            (self.memory.tick, self._guard_interval_s, "memory-guard"),
         ):
             # One instance at a time; a late run is skipped, not queued (a slow scrape never piles up).
             self._scheduler.add_job(job, "interval", seconds=seconds, max_instances=1, coalesce=True, id=name)
         self._scheduler.start()
+
+    def run_once(self, job: Callable[[], Any]) -> None:
+        """Run `job` in a worker thread now; its result (unless None) goes on the event queue."""
+
+        def run() -> None:
+            try:
+                result = job()
+            except Exception as exc:  # a background probe must never take the daemon down
+                log.error(
+                    "job.failed", job=getattr(job, "__name__", "job"), error=f"{type(exc).__name__}: {exc}"
+                )
+                return
+            if result is not None:
+                self.events.put(result)
+
+        self._scheduler.add_job(run)
 
     def stop(self) -> None:
         self._scheduler.shutdown(wait=False)
