@@ -57,6 +57,41 @@ def _parser() -> argparse.ArgumentParser:
     resume = sub.add_parser("resume", help="leave FATAL: let the daemon start vLLM again")
     _config_option(resume)
     resume.set_defaults(func=cmd_resume)
+
+    restart = sub.add_parser(
+        "restart", help="restart vLLM now, optionally with changed parameters (a trial, journaled)"
+    )
+    _config_option(restart)
+    restart.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="change a parameter, e.g. --set max_num_seqs=8 (VALUE none: unset)",
+    )
+    restart.add_argument("--reason", help="why, for the journal")
+    restart.set_defaults(func=cmd_restart)
+
+    plan = sub.add_parser(
+        "plan", help="what fits: weights, KV cache, budget, oversubscription; exit 0 if feasible, 1 if not"
+    )
+    _config_option(plan)
+    plan.add_argument(
+        "--model", metavar="DIR", help="model directory (without -c: plan from this and the flags alone)"
+    )
+    plan.add_argument("--max-model-len", type=int, metavar="N")
+    plan.add_argument("--max-num-seqs", type=int, metavar="N")
+    plan.add_argument("--block-size", type=int, metavar="N")
+    plan.add_argument("--gpu-memory-utilization", type=float, metavar="F")
+    plan.add_argument("--kv-cache-memory-bytes", type=int, metavar="BYTES")
+    plan.add_argument("--kv-cache-dtype", metavar="DTYPE")
+    plan.add_argument("--max-num-batched-tokens", type=int, metavar="N")
+    plan.add_argument(
+        "--backend", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda if NVML finds a GPU"
+    )
+    plan.add_argument("--force", action="store_true", help="accept the refuse band (1.5 < ratio < 2)")
+    plan.add_argument("--json", action="store_true", help="the plan as JSON, for scripts")
+    plan.set_defaults(func=cmd_plan)
     return parser
 
 
@@ -147,7 +182,9 @@ def _daemon_url(config: Config) -> str:
     return f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
 
 
-def _talk_to_daemon(args: argparse.Namespace, method: str, path: str) -> tuple[int, object] | int:
+def _talk_to_daemon(
+    args: argparse.Namespace, method: str, path: str, body: dict | None = None
+) -> tuple[int, object] | int:
     """(status code, decoded JSON) from the daemon's endpoint, or an exit code after printing why."""
     import httpx
 
@@ -157,7 +194,7 @@ def _talk_to_daemon(args: argparse.Namespace, method: str, path: str) -> tuple[i
         return EX_CONFIG
     url = _daemon_url(config) + path
     try:
-        response = httpx.request(method, url, timeout=5.0, trust_env=False)
+        response = httpx.request(method, url, json=body, timeout=5.0, trust_env=False)
     except httpx.HTTPError as exc:
         print(
             f"tunerd: cannot reach the daemon at {url} ({type(exc).__name__}): is `tunerd run` running?",
@@ -193,3 +230,45 @@ def cmd_resume(args: argparse.Namespace) -> int:
     code, _ = answer
     print("resume requested" if code == 202 else f"the daemon refused: HTTP {code}")
     return 0 if code == 202 else 1
+
+
+def parse_assignment(text: str) -> tuple[str, object]:
+    """`max_num_seqs=8` → ("max_num_seqs", 8); true/false → bool, none → None, numbers → int/float."""
+    name, sep, raw = text.partition("=")
+    if not sep or not name:
+        raise ValueError(f"--set {text!r}: use NAME=VALUE")
+    lowered = raw.strip().lower()
+    if lowered in ("true", "false"):
+        return name.strip(), lowered == "true"
+    if lowered in ("none", "null", ""):
+        return name.strip(), None
+    for convert in (int, float):
+        try:
+            return name.strip(), convert(raw)
+        except ValueError:
+            pass
+    return name.strip(), raw
+
+
+def cmd_restart(args: argparse.Namespace) -> int:
+    try:
+        changes = dict(parse_assignment(item) for item in args.set)
+    except ValueError as exc:
+        print(f"tunerd restart: {exc}", file=sys.stderr)
+        return EX_USAGE
+    answer = _talk_to_daemon(args, "POST", "/restart", {"params": changes, "reason": args.reason})
+    if isinstance(answer, int):
+        return answer
+    code, document = answer
+    if code == 202:
+        print("restart requested; follow it with `tunerd journal -f`")
+        return 0
+    error = document.get("error") if isinstance(document, dict) else document
+    print(f"the daemon refused: {error}", file=sys.stderr)
+    return 1
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from tunerd.plan_view import run_plan
+
+    return run_plan(args)

@@ -136,6 +136,7 @@ class PreflightConfig(_Section):
     memory_tolerance_ratio: float = Field(default=0.05, ge=0, lt=1)
     drop_page_cache: bool = False
     page_cache_advice_ratio: float = Field(default=0.10, gt=0, le=1)
+    planner: Literal["enforce", "warn", "off"] = "enforce"
 
 
 class ExportConfig(_Section):

@@ -16,9 +16,10 @@ from typing import Any
 
 import structlog
 
+from tunerd.act.capacity import CalibrationDone, Capacity
 from tunerd.act.identity import Capabilities, EngineIdentity, identity_changes
 from tunerd.act.leftovers import LeftoverReaper
-from tunerd.act.preflight import GpuFacts, PlanCheck, Preflight
+from tunerd.act.preflight import GpuFacts, Preflight
 from tunerd.config import Config
 from tunerd.decide.guards import (
     MemoryFloor,
@@ -46,6 +47,8 @@ from tunerd.state import DaemonState, EngineRecord, StateStore
 log = structlog.get_logger("tunerd")
 
 ACTIVE = (EngineState.STARTING, EngineState.RUNNING)
+# Failures whose log says how vLLM sized (or could not size) its KV cache.
+CALIBRATES = (FailureKind.KV_CACHE_TOO_SMALL, FailureKind.NO_KV_MEMORY, FailureKind.INSUFFICIENT_MEMORY)
 
 
 @dataclass
@@ -73,8 +76,8 @@ class Lifecycle:
         background: Callable[[Callable[[], Any]], None],
         monotonic: Callable[[], float],
         wallclock: Callable[[], datetime],
-        plan_check: PlanCheck | None = None,
     ) -> None:
+        self.capacity = Capacity(config)
         self.config = config
         self.os = oscalls
         self.rec = recorder
@@ -85,7 +88,6 @@ class Lifecycle:
         self.background = background
         self.monotonic = monotonic
         self.wallclock = wallclock
-        self.plan_check = plan_check
         self.engine = Engine(
             oscalls=oscalls,
             marker=dstate.instance_id,
@@ -107,6 +109,15 @@ class Lifecycle:
         self.shutting_down = False
         recorded = dstate.engine.pgid if dstate.engine else None
         self.reaper = LeftoverReaper(oscalls, dstate.instance_id, recorded)
+
+    @property
+    def config(self) -> Config:
+        return self._config
+
+    @config.setter
+    def config(self, config: Config) -> None:
+        self._config = config
+        self.capacity.config = config
 
     # -- starting ----------------------------------------------------------------------------------
 
@@ -166,7 +177,7 @@ class Lifecycle:
             reaper=self.reaper,
             gate=gate,
             gpu=lambda: self.gpu,
-            plan_check=self.plan_check,
+            plan_check=self.capacity.check,
             started=now,
         )
 
@@ -206,6 +217,8 @@ class Lifecycle:
             return
         host = self.config.engine.host
         run.base_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{self.config.engine.port}"
+        plan = pending.preflight.plan if pending.preflight else None
+        run.predicted_kv_tokens = plan.predicted_kv_tokens if plan else None
         self.progress = Progress()
         self.dstate.engine = EngineRecord(
             pid=run.pid, pgid=run.pgid, started=run.started_wall.isoformat(), log=str(run.log_path)
@@ -281,10 +294,16 @@ class Lifecycle:
             seconds = round(now - run.started_mono, 2)
             kv = run.kv_cache.tokens if run.kv_cache else None
             self.rec.record(
-                "engine.ready", pid=run.pid, seconds=seconds, kv_cache_tokens=kv, params=run.params
+                "engine.ready",
+                pid=run.pid,
+                seconds=seconds,
+                kv_cache_tokens=kv,
+                predicted_kv_cache_tokens=run.predicted_kv_tokens,
+                params=run.params,
             )
             self._close_intent("ok", seconds=seconds, kv_cache_tokens=kv)
             self.background(lambda: _identity_job(run))
+            self._learn_from(run)
         elif self.engine.state is EngineState.RUNNING:
             run.health_failures = 0 if result.ok else run.health_failures + 1
             if run.health_failures >= self.config.timeouts.health_failures:
@@ -366,6 +385,14 @@ class Lifecycle:
         self.dstate.identity = facts
         self._save_state()
 
+    def _learn_from(self, run: EngineRun) -> None:
+        """Calibrate the planner from what vLLM reported at this start (in the background)."""
+        capacity, log_path, params, run_id = self.capacity, run.log_path, run.params, run.run_id
+        self.background(lambda: capacity.calibrate_from_log(run_id, log_path, params))
+
+    def on_calibration(self, done: CalibrationDone) -> None:
+        self.rec.record("planner.calibrated", run=done.run_id, **done.figures)
+
     def on_capabilities(self, caps: Capabilities) -> None:
         self.dstate.capabilities = {"command": list(caps.command), "shutdown_timeout": caps.shutdown_timeout}
         self._save_state()
@@ -433,6 +460,8 @@ class Lifecycle:
         self.restarts[str(failure.kind)] += 1
         self.metrics.restarts.labels(reason=str(failure.kind)).inc()
         self._close_intent("failed", failure=failure.as_dict(), tail=run.tail[-10:])
+        if failure.kind in CALIBRATES:
+            self._learn_from(run)  # vLLM's refusal says how much memory it found: calibrate from it too
         if not self.shutting_down:
             self._decide_after_failure(failure, ran_for_s=ran_for, now=now)
 

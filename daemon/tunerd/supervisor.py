@@ -20,6 +20,7 @@ from typing import Any
 import structlog
 
 from tunerd import __version__
+from tunerd.act.capacity import CalibrationDone
 from tunerd.act.identity import Capabilities, EngineIdentity, probe_capabilities
 from tunerd.config import Config, ConfigError, load_config
 from tunerd.decide.guards import MemoryReading
@@ -214,6 +215,8 @@ class Supervisor:
             lifecycle.on_identity(event)
         elif isinstance(event, Capabilities):
             lifecycle.on_capabilities(event)
+        elif isinstance(event, CalibrationDone):
+            lifecycle.on_calibration(event)
         elif isinstance(event, Command):
             self._on_command(event)
 

@@ -7,8 +7,11 @@ API server exits with 0), restarted → SIGTERM of the daemon: every process gon
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -134,6 +137,45 @@ def test_killing_the_engine_core_is_noticed_reaped_and_restarted(daemon: Daemon)
     )
     new_tree = daemon.marked_pids()
     assert new_tree and not set(new_tree) & set(old_tree)
+
+
+def test_tuning_style_restart_goes_through_the_preflight_and_memory_gate(daemon: Daemon) -> None:
+    daemon.wait_state("RUNNING", timeout=400)
+    old_tree = daemon.marked_pids()
+    after = daemon.last_seq()
+    asked = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tunerd",
+            "restart",
+            "--set",
+            "max_num_seqs=8",
+            "--reason",
+            "trial from the test",
+            "--config",
+            str(daemon.config_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert asked.returncode == 0, asked.stderr
+    intent = daemon.wait_record(lambda r: r["event"] == "intent" and r["action"] == "trial", after_seq=after)
+    assert intent["params"]["max_num_seqs"] == 8 and intent["params_before"]["max_num_seqs"] == 16
+    stopped = daemon.wait_event("engine.stopped", timeout=60, after_seq=intent["seq"])
+    passed = daemon.wait_event("preflight.passed", timeout=60, after_seq=stopped["seq"])
+    assert set(passed["timings"]) == {"leftovers", "port", "memory", "page_cache", "plan"}
+    spawned = daemon.wait_event("engine.spawned", after_seq=passed["seq"])
+    assert spawned["argv"][spawned["argv"].index("--max-num-seqs") + 1] == "8"
+    assert "--shutdown-timeout" in spawned["argv"], "vLLM 0.32 has it (checked with --help at daemon start)"
+    outcome = daemon.wait_record(
+        lambda r: r["event"] == "outcome" and r["intent"] == intent["seq"], timeout=400
+    )
+    assert outcome["result"] == "ok"
+    assert not [pid for pid in old_tree if _alive(pid)]
+    assert daemon.wait_state("RUNNING")["engine"]["params"]["max_num_seqs"] == 8
+    print("\n".join(json.dumps(r) for r in daemon.records() if r["seq"] >= intent["seq"]))
 
 
 def test_sigterm_stops_vllm_and_every_process_of_its_tree(daemon: Daemon) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 
 import psutil
 
+from tunerd.act.capacity import PlanOutcome
 from tunerd.act.leftovers import LeftoverReaper
 from tunerd.config import Config
 from tunerd.decide.guards import GIB, MemoryGate, memory_returned
@@ -52,7 +53,7 @@ class PreflightStep:
     records: list[dict[str, Any]] = field(default_factory=list)  # journal records to write
 
 
-PlanCheck = Callable[[EngineParams], str | None]  # a refusal reason, or None when it fits
+PlanCheck = Callable[[EngineParams], PlanOutcome]
 
 
 def port_holder(host: str, port: int) -> str | None:
@@ -146,6 +147,7 @@ class Preflight:
         self._phase_started = started
         self._reported: set[str] = set()
         self.baseline: MemoryGate | None = None  # set when this preflight took the first baseline
+        self.plan: PlanOutcome | None = None  # the planner's verdict, once asked
 
     def step(self, now: float) -> PreflightStep:
         records: list[dict[str, Any]] = []
@@ -261,8 +263,18 @@ class Preflight:
     def _plan(self, now: float, records: list[dict[str, Any]]) -> PreflightStep | None:
         if self.plan_check is None:
             return None
-        refusal = self.plan_check(self.params)
-        if refusal is None:
+        self.plan = self.plan_check(self.params)
+        if self.plan.refusal is None:
+            records.append({"event": "preflight.plan", "params": self.params, **self.plan.figures})
             return None
-        records.append({"event": "preflight.refused", "params": self.params, "reason": refusal})
-        return PreflightStep(False, None, EngineFailure(FailureKind.PLAN_REFUSED, refusal), records=[])
+        records.append(
+            {
+                "event": "preflight.refused",
+                "params": self.params,
+                "reason": self.plan.refusal,
+                **self.plan.figures,
+            }
+        )
+        return PreflightStep(
+            False, None, EngineFailure(FailureKind.PLAN_REFUSED, self.plan.refusal), records=[]
+        )

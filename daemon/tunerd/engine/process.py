@@ -50,6 +50,7 @@ class EngineRun:
     kill_sent: bool = False
     health_failures: int = 0
     base_url: str = ""  # where this run's vLLM listens (set by the supervisor at spawn)
+    predicted_kv_tokens: int | None = None  # the planner's prediction for this start
     lines_seen: int = 0
     tail: list[str] = field(default_factory=list)
 
