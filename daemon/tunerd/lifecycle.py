@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -18,21 +17,12 @@ import structlog
 
 from tunerd.act.capacity import CalibrationDone, Capacity
 from tunerd.act.identity import Capabilities, EngineIdentity, identity_changes
-from tunerd.act.leftovers import LeftoverReaper
-from tunerd.act.preflight import GpuFacts, Preflight
 from tunerd.config import Config
 from tunerd.decide.guards import (
-    MemoryFloor,
-    MemoryGate,
     MemoryReading,
-    Progress,
-    memory_emergency,
-    track_progress,
-    wedged,
 )
 from tunerd.decide.restart_policy import Action, decide_after_failure
 from tunerd.engine.failures import EngineFailure, FailureKind
-from tunerd.engine.launch import build_argv, build_env
 from tunerd.engine.logwatch import KvCacheSize
 from tunerd.engine.oscalls import OsCalls
 from tunerd.engine.params import EngineParams
@@ -42,24 +32,15 @@ from tunerd.export import Metrics
 from tunerd.observe.health import HealthResult
 from tunerd.observe.poller import PollSample
 from tunerd.recorder import Recorder
-from tunerd.state import DaemonState, EngineRecord, StateStore
+from tunerd.run_guards import RunGuards
+from tunerd.starting import PendingStart, Refused, Starter, Waiting
+from tunerd.state import DaemonState, StateStore
 
 log = structlog.get_logger("tunerd")
 
 ACTIVE = (EngineState.STARTING, EngineState.RUNNING)
 # Failures whose log says how vLLM sized (or could not size) its KV cache.
 CALIBRATES = (FailureKind.KV_CACHE_TOO_SMALL, FailureKind.NO_KV_MEMORY, FailureKind.INSUFFICIENT_MEMORY)
-
-
-@dataclass
-class PendingStart:
-    """A start the loop makes once `not_before` has passed and the preflight clears it."""
-
-    params: EngineParams
-    intent: int | None  # the journal intent this start fulfils
-    action: str
-    not_before: float
-    preflight: Preflight | None = None
 
 
 class Lifecycle:
@@ -77,8 +58,8 @@ class Lifecycle:
         monotonic: Callable[[], float],
         wallclock: Callable[[], datetime],
     ) -> None:
+        self._config = config
         self.capacity = Capacity(config)
-        self.config = config
         self.os = oscalls
         self.rec = recorder
         self.store = store
@@ -104,11 +85,19 @@ class Lifecycle:
         self.waiting_reason: str | None = None
         self.notes: dict[str, str] = {}  # things an operator should know (upgrade, page cache …)
         self.restarts: Counter[str] = Counter()
-        self.gpu = GpuFacts()
-        self.progress = Progress()
+        self.guards = RunGuards(recorder)
         self.shutting_down = False
-        recorded = dstate.engine.pgid if dstate.engine else None
-        self.reaper = LeftoverReaper(oscalls, dstate.instance_id, recorded)
+        self.starter = Starter(
+            config,
+            oscalls=oscalls,
+            engine=self.engine,
+            recorder=recorder,
+            dstate=dstate,
+            save_state=self._save_state,
+            capacity=self.capacity,
+            gpu=lambda: self.guards.gpu,
+            wallclock=wallclock,
+        )
 
     @property
     def config(self) -> Config:
@@ -118,6 +107,7 @@ class Lifecycle:
     def config(self, config: Config) -> None:
         self._config = config
         self.capacity.config = config
+        self.starter.config = config
 
     # -- starting ----------------------------------------------------------------------------------
 
@@ -150,96 +140,22 @@ class Lifecycle:
     def _try_start(self, now: float) -> None:
         pending = self.pending
         assert pending is not None
-        if pending.preflight is None:
-            pending.preflight = self._new_preflight(pending.params, now)
-        step = pending.preflight.step(now)
-        for record in step.records:
-            self.rec.record(record.pop("event"), **record)
-        if pending.preflight.baseline is not None:
-            self._save_baseline(pending.preflight.baseline)
-            pending.preflight.baseline = None
-        if step.failure is not None:
-            self._start_refused(pending, step.failure, now)
-        elif not step.clear:
+        step = self.starter.step(pending, now)
+        if isinstance(step, Waiting):
             self._set_waiting(step.reason)
-        else:
-            self._set_waiting(None)
-            self._launch(pending, now)
-
-    def _new_preflight(self, params: EngineParams, now: float) -> Preflight:
-        baseline = self.dstate.baseline
-        gate = MemoryGate(**baseline) if baseline else None  # type: ignore[arg-type]
-        return Preflight(
-            self.config,
-            params,
-            oscalls=self.os,
-            marker=self.dstate.instance_id,
-            reaper=self.reaper,
-            gate=gate,
-            gpu=lambda: self.gpu,
-            plan_check=self.capacity.check,
-            started=now,
-        )
-
-    def _save_baseline(self, gate: MemoryGate) -> None:
-        self.dstate.baseline = {
-            "baseline_available_bytes": gate.baseline_available_bytes,
-            "tolerance_bytes": gate.tolerance_bytes,
-            "baseline_gpu_free_bytes": gate.baseline_gpu_free_bytes,
-        }
-        self._save_state()
-
-    def _start_refused(self, pending: PendingStart, failure: EngineFailure, now: float) -> None:
-        """The preflight failed: no launch; the failure goes through the same policy as a crash."""
+            return
         self.pending = None
         self._set_waiting(None)
         self.params = pending.params
-        self.rec.record("engine.start_refused", failure=failure.as_dict(), params=pending.params)
-        self.rec.outcome(pending.intent, "failed", failure=failure.as_dict())
-        self.restarts[str(failure.kind)] += 1
-        self.metrics.restarts.labels(reason=str(failure.kind)).inc()
-        self._decide_after_failure(failure, ran_for_s=None, now=now)
-
-    def _launch(self, pending: PendingStart, now: float) -> None:
-        self.pending = None
-        self.params = pending.params
-        self.open_intent = pending.intent
-        argv = build_argv(self.config.engine, pending.params) + self._drain_args()
-        try:
-            run = self.engine.spawn(
-                argv, build_env(self.config.engine), pending.params, now, self.wallclock()
-            )
-        except OSError as exc:
-            failure = EngineFailure(FailureKind.SPAWN_FAILED, f"cannot execute {argv[0]}: {exc}")
-            self.rec.record("engine.failed", phase="spawn", failure=failure.as_dict())
-            self._close_intent("failed", failure=failure.as_dict())
-            self._decide_after_failure(failure, ran_for_s=None, now=now)
+        if isinstance(step, Refused):
+            # No launch: the failure goes through the same policy as a crash.
+            self.rec.outcome(pending.intent, "failed", failure=step.failure.as_dict())
+            self.restarts[str(step.failure.kind)] += 1
+            self.metrics.restarts.labels(reason=str(step.failure.kind)).inc()
+            self._decide_after_failure(step.failure, ran_for_s=None, now=now)
             return
-        host = self.config.engine.host
-        run.base_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{self.config.engine.port}"
-        plan = pending.preflight.plan if pending.preflight else None
-        run.predicted_kv_tokens = plan.predicted_kv_tokens if plan else None
-        self.progress = Progress()
-        self.dstate.engine = EngineRecord(
-            pid=run.pid, pgid=run.pgid, started=run.started_wall.isoformat(), log=str(run.log_path)
-        )
-        self._save_state()
-        self.rec.record(
-            "engine.spawned", pid=run.pid, argv=argv, log=str(run.log_path), intent=pending.intent
-        )
-
-    def _drain_args(self) -> list[str]:
-        """`--shutdown-timeout N` where vLLM has it, so a planned stop lets requests finish.
-
-        Bounded by tunerd's own graceful timeout (SIGKILL comes then): N = min(drain_s, graceful - 5).
-        """
-        caps = self.dstate.capabilities or {}
-        if not caps.get("shutdown_timeout") or caps.get("command") != list(self.config.engine.command):
-            return []
-        if any(arg.startswith("--shutdown-timeout") for arg in self.config.engine.extra_args):
-            return []
-        seconds = int(min(self.config.timeouts.drain_s, self.config.timeouts.graceful_stop_s - 5))
-        return ["--shutdown-timeout", str(seconds)] if seconds > 0 else []
+        self.open_intent = pending.intent
+        self.guards.new_run()
 
     # -- the loop's step -----------------------------------------------------------------------
 
@@ -312,59 +228,19 @@ class Lifecycle:
 
     def on_memory(self, reading: MemoryReading, now: float) -> None:
         """The host-wedge guard: stop vLLM before the host stalls on memory."""
-        if self.engine.state not in ACTIVE:
-            return
-        guard = self.config.guard
-        floor = MemoryFloor(guard.min_available_bytes, guard.min_available_ratio, guard.max_psi_full_avg10)
-        reason = memory_emergency(reading, floor)
-        if reason is None:
-            return
-        self.rec.record(
-            "guard.memory_emergency",
-            reason=reason,
-            mem_available_bytes=reading.mem_available_bytes,
-            mem_total_bytes=reading.mem_total_bytes,
-            psi_some_avg10=reading.psi_some_avg10,
-            psi_full_avg10=reading.psi_full_avg10,
-            params=self.params,
-        )
-        self._on_failure(EngineFailure(FailureKind.MEMORY_EMERGENCY, reason), now)
+        if self.engine.state in ACTIVE:
+            failure = self.guards.check_memory(reading, self.config.guard, self.params)
+            if failure is not None:
+                self._on_failure(failure, now)
 
     def on_poll(self, sample: PollSample, now: float) -> None:
         """Remember the GPU facts for the next preflight; watch forward progress of the current run."""
-        gpu = sample.gpu
-        if gpu.available:
-            readings = sample.readings
-            free = None
-            if (
-                readings.get("gpu.mem_total_bytes") is not None
-                and readings.get("gpu.mem_used_bytes") is not None
-            ):
-                free = int(readings["gpu.mem_total_bytes"] - readings["gpu.mem_used_bytes"])  # type: ignore[operator]
-            processes = tuple((p.pid, p.used_bytes) for d in gpu.devices for p in (d.processes or ()))
-            self.gpu = GpuFacts(gpu.unified_memory, free, processes)
+        self.guards.remember_gpu(sample)
         run = self.engine.run
-        if run is None or sample.run_id != run.run_id or self.engine.state is not EngineState.RUNNING:
-            return
-        engine = sample.scrape.sample if sample.scrape is not None else None
-        if engine is None or self.config.guard.wedge_after_s <= 0:
-            return
-        running, tokens = engine.requests_running, engine.generation_tokens_total
-        util = sample.readings.get("gpu.util_percent")
-        self.progress = track_progress(
-            self.progress, now, running=running, generation_tokens=tokens, gpu_util=util
-        )
-        reason = wedged(self.progress, now, running=running, after_s=self.config.guard.wedge_after_s)
-        if reason is not None:
-            self.rec.record(
-                "guard.wedged",
-                reason=reason,
-                running=running,
-                generation_tokens_total=tokens,
-                gpu_util_percent=util,
-                pid=run.pid,
-            )
-            self._on_failure(EngineFailure(FailureKind.WEDGED, reason), now)
+        if run is not None and sample.run_id == run.run_id and self.engine.state is EngineState.RUNNING:
+            failure = self.guards.check_progress(sample, self.config.guard, run.pid, now)
+            if failure is not None:
+                self._on_failure(failure, now)
 
     def on_identity(self, identity: EngineIdentity) -> None:
         """The upgrade guard: journal versions and model identity; flag last-known-good as unverified

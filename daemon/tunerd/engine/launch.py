@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import Any
 
-from tunerd.config import EngineConfig
+from tunerd.config import Config, EngineConfig
 from tunerd.engine.params import EngineParams
 from tunerd.systemd import SYSTEMD_CHILD_ENV_BLOCKLIST
 
@@ -44,3 +45,19 @@ def build_env(engine: EngineConfig, base: Mapping[str, str] | None = None) -> di
     env["PYTHONUNBUFFERED"] = "1"
     env.update(engine.env)
     return env
+
+
+def drain_args(config: Config, capabilities: dict[str, Any]) -> list[str]:
+    """`--shutdown-timeout N` where this command's vLLM has it, so a planned stop lets requests finish.
+
+    `capabilities` is what `<command> --help` showed (state file). N = min(drain_s, graceful_stop_s - 5):
+    bounded by tunerd's own graceful timeout, after which SIGKILL comes. Nothing when the operator
+    passes the flag in extra_args, or drain is off.
+    """
+    engine, timeouts = config.engine, config.timeouts
+    if not capabilities.get("shutdown_timeout") or capabilities.get("command") != list(engine.command):
+        return []
+    if any(arg.startswith("--shutdown-timeout") for arg in engine.extra_args):
+        return []
+    seconds = int(min(timeouts.drain_s, timeouts.graceful_stop_s - 5))
+    return ["--shutdown-timeout", str(seconds)] if seconds > 0 else []
