@@ -1,0 +1,83 @@
+"""The command line: check-config's exit status and messages, journal printing, restart's --set."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tunerd.cli import main, parse_assignment
+
+SHIPPED = Path(__file__).resolve().parents[2] / "etc" / "tunerd" / "tunerd.toml"
+
+
+def test_check_config_of_the_shipped_file_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check-config", str(SHIPPED)]) == 0
+    assert capsys.readouterr().out.strip() == f"{SHIPPED}: ok"
+
+
+def test_check_config_with_a_misspelled_key_exits_1_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "tunerd.toml"
+    bad.write_text(SHIPPED.read_text().replace("graceful_stop_s = 30.0", "graceful_stop_sec = 30.0"))
+    assert main(["check-config", str(bad)]) == 1
+    assert f"{bad}: timeouts.graceful_stop_sec: unknown key" in capsys.readouterr().err
+
+
+def test_check_config_with_a_negative_timeout_exits_1_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "tunerd.toml"
+    bad.write_text(SHIPPED.read_text().replace("startup_s = 900.0", "startup_s = -5.0"))
+    assert main(["check-config", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert f"{bad}: timeouts.startup_s: Input should be greater than 0 (got -5.0)" in err
+    assert "Traceback" not in err
+
+
+def test_check_config_reads_tunerd_config_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("TUNERD_CONFIG", str(tmp_path / "missing.toml"))
+    assert main(["check-config"]) == 1
+    assert "missing.toml: (file): cannot read" in capsys.readouterr().err
+
+
+def test_journal_prints_records_for_humans_and_raw(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    journal = tmp_path / "journal.jsonl"
+    records = [
+        {"seq": 1, "time": "2026-11-30T12:00:00.000Z", "event": "daemon.started", "version": "0.1.0"},
+        {"seq": 2, "time": "2026-11-30T12:00:01.000Z", "event": "intent", "action": "start"},
+    ]
+    journal.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
+    assert main(["journal", "--file", str(journal)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("2026-11-30 12:00:00.000Z  #1") and "daemon.started" in out[0]
+    assert main(["journal", "--file", str(journal), "--json", "-n", "1"]) == 0
+    assert json.loads(capsys.readouterr().out) == records[1]
+    assert main(["journal", "--file", str(journal), "--since", "yesterday-ish"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("max_num_seqs=8", ("max_num_seqs", 8)),
+        ("gpu_memory_utilization=0.8", ("gpu_memory_utilization", 0.8)),
+        ("enable_prefix_caching=false", ("enable_prefix_caching", False)),
+        ("kv_cache_dtype=fp8", ("kv_cache_dtype", "fp8")),
+        ("max_model_len=none", ("max_model_len", None)),
+    ],
+)
+def test_restart_set_values_are_typed(text: str, expected: tuple[str, object]) -> None:
+    assert parse_assignment(text) == expected
+
+
+def test_restart_without_a_daemon_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "tunerd.toml"
+    config.write_text(f'[engine]\nmodel = "m"\n[export]\nport = 1\n[paths]\nstate_dir = "{tmp_path}"\n')
+    assert main(["restart", "--set", "max_num_seqs=8", "--config", str(config)]) == 3
+    assert "cannot reach the daemon" in capsys.readouterr().err
