@@ -188,7 +188,7 @@ class Daemon:
             marker = self.instance_id()
         except (OSError, KeyError, ValueError):
             return []
-        return [p for p in procfs.pids_with_env("TUNERD_INSTANCE", marker) if not _zombie(p)]
+        return [p for p in procfs.pids_with_env("TUNERD_INSTANCE", marker) if alive(p)]
 
     def dump(self) -> str:
         text = "\n".join(json.dumps(r) for r in self.records()[-40:])
@@ -224,9 +224,10 @@ def assert_in_order(events: list[str], expected: list[str]) -> None:
             raise AssertionError(f"{name!r} missing after position {position} in {events}") from None
 
 
-def _zombie(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie (a zombie holds no memory, port or GPU)."""
     stat = procfs.read_stat(pid)
-    return stat is None or stat.state == "Z"
+    return stat is not None and stat.state != "Z"
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:

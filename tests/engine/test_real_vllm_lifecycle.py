@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from tests.engine.conftest import real_sections
-from tests.harness import Daemon
+from tests.harness import Daemon, alive
 from tunerd.observe import procfs
 
 pytestmark = pytest.mark.engine
@@ -116,7 +116,7 @@ def test_under_load_the_kv_cache_signal_passes_0_9_and_preemptions_are_counted(d
 def test_killing_the_engine_core_is_noticed_reaped_and_restarted(daemon: Daemon) -> None:
     daemon.wait_state("RUNNING", timeout=400)
     old_tree = daemon.marked_pids()
-    core = next(pid for pid in old_tree if (procfs.read_stat(pid) or _gone).comm == "VLLM::EngineCor")
+    core = next(pid for pid in old_tree if getattr(procfs.read_stat(pid), "comm", "") == "VLLM::EngineCor")
     after = daemon.last_seq()
     killed_at = time.monotonic()
     os.kill(core, signal.SIGKILL)
@@ -127,7 +127,7 @@ def test_killing_the_engine_core_is_noticed_reaped_and_restarted(daemon: Daemon)
     assert noticed_in < 10
     stopped = daemon.wait_event("engine.stopped", timeout=60, after_seq=after)
     assert stopped["survivors"] == []
-    assert not [pid for pid in old_tree if _alive(pid)], (
+    assert not [pid for pid in old_tree if alive(pid)], (
         "no process of the old tree (worker included) survives"
     )
 
@@ -173,7 +173,7 @@ def test_tuning_style_restart_goes_through_the_preflight_and_memory_gate(daemon:
         lambda r: r["event"] == "outcome" and r["intent"] == intent["seq"], timeout=400
     )
     assert outcome["result"] == "ok"
-    assert not [pid for pid in old_tree if _alive(pid)]
+    assert not [pid for pid in old_tree if alive(pid)]
     assert daemon.wait_state("RUNNING")["engine"]["params"]["max_num_seqs"] == 8
     print("\n".join(json.dumps(r) for r in daemon.records() if r["seq"] >= intent["seq"]))
 
@@ -182,20 +182,8 @@ def test_sigterm_stops_vllm_and_every_process_of_its_tree(daemon: Daemon) -> Non
     daemon.wait_state("RUNNING", timeout=400)
     tree = daemon.marked_pids()
     assert daemon.stop(timeout=60) == 0
-    assert not [pid for pid in tree if _alive(pid)]
+    assert not [pid for pid in tree if alive(pid)]
     assert not daemon.marked_pids()
     stopped = [r for r in daemon.records() if r["event"] == "engine.stopped"][-1]
     assert stopped["reason"] == "daemon shutdown" and stopped["survivors"] == []
     assert daemon.records()[-1]["event"] == "daemon.stopped"
-
-
-class _Gone:
-    comm = ""
-
-
-_gone = _Gone()
-
-
-def _alive(pid: int) -> bool:
-    stat = procfs.read_stat(pid)
-    return stat is not None and stat.state != "Z"

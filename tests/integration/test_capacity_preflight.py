@@ -4,7 +4,6 @@ with the figures, not a launch; one that fits is started, with the prediction be
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,15 @@ def llama_70b_without_weights(target: Path) -> Path:
         "weight_map": {"lm_head.weight": "model-00030-of-00030.safetensors"},
     }
     (target / "model.safetensors.index.json").write_text(json.dumps(index))
+    return target
+
+
+def make_tiny_model(target: Path) -> Path:
+    subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "make-tiny-model.py"), str(target)],
+        check=True,
+        capture_output=True,
+    )
     return target
 
 
@@ -62,7 +70,6 @@ def test_a_configuration_that_fits_is_started_with_its_prediction_journaled(work
         calibrated = daemon.wait_event("planner.calibrated")
         assert calibrated["kv_cache_tokens"] == 1952
     assert (daemon.state_dir / "planner-calibration.json").exists()
-    shutil.rmtree(model)
 
 
 def test_the_operator_checks_are_journaled_before_the_first_start(workdir: Path) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.harness import FAKE_VLLM, Daemon, free_port, running_daemon, wait_until
+from tests.harness import FAKE_VLLM, Daemon, alive, free_port, running_daemon, wait_until
 from tests.integration.conftest import fake_sections
 
 
@@ -52,14 +52,6 @@ def kill_group(proc: subprocess.Popen[bytes]) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(10)
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_leftovers_are_found_by_marker_and_reaped_while_a_foreign_vllm_is_left_alone(workdir: Path) -> None:

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.harness import Daemon, assert_in_order, running_daemon, wait_until
+from tests.harness import Daemon, alive, assert_in_order, running_daemon, wait_until
 from tests.integration.conftest import fake_sections
 
 
@@ -26,7 +26,7 @@ def test_start_ready_and_sigterm_stop_leave_nothing(workdir: Path) -> None:
         tree = daemon.marked_pids()
         assert len(tree) >= 3, "API server, engine core and worker all carry the marker"
         assert daemon.stop() == 0
-        assert not any(_alive(pid) for pid in tree)
+        assert not any(alive(pid) for pid in tree)
     events = daemon.events()
     assert_in_order(
         events,
@@ -99,7 +99,7 @@ def test_grandchild_that_ignores_sigterm_does_not_survive(workdir: Path) -> None
         tree = daemon.marked_pids()
         assert len(tree) >= 4
         assert daemon.stop() == 0
-        assert not any(_alive(pid) for pid in tree)
+        assert not any(alive(pid) for pid in tree)
     stopped = next(r for r in daemon.records() if r["event"] == "engine.stopped")
     assert stopped["sigkill"] is True and stopped["survivors"] == []
 
@@ -169,7 +169,7 @@ def test_reload_with_changed_params_restarts_with_a_durable_intent(workdir: Path
             lambda r: r["event"] == "outcome" and r["intent"] == intent["seq"] and r["result"] == "ok"
         )
         assert daemon.status()["engine"]["pid"] != old_pid
-        assert not _alive(old_pid)
+        assert not alive(old_pid)
         assert "--max-num-seqs" in _cmdline(daemon.status()["engine"]["pid"])
 
 
@@ -205,7 +205,7 @@ def test_sigkill_of_the_daemon_mid_start_leaves_no_stray_and_a_readable_journal(
     except BaseException:
         first.cleanup()
         raise
-    assert all(_alive(pid) for pid in orphans), "vLLM outlives a SIGKILLed daemon until the next start"
+    assert all(alive(pid) for pid in orphans), "vLLM outlives a SIGKILLed daemon until the next start"
     with open(first.journal_path, "ab") as f:  # a torn tail, as a crash in the middle of a write leaves it
         f.write(b'{"seq": 99, "time": "2026-')
     sections["engine.env"]["FAKE_VLLM_STARTUP_S"] = "0.5"
@@ -213,7 +213,7 @@ def test_sigkill_of_the_daemon_mid_start_leaves_no_stray_and_a_readable_journal(
         second.wait_state("RUNNING")
         reaped = second.wait_event("leftover.reaped")
         assert sorted(int(p) for p in reaped["pids"]) == sorted(orphans)
-        assert not any(_alive(pid) for pid in orphans)
+        assert not any(alive(pid) for pid in orphans)
         assert second.wait_event("journal.repaired")["torn_bytes"] == len(b'{"seq": 99, "time": "2026-')
         aborted = second.wait_record(lambda r: r["event"] == "outcome" and r["result"] == "aborted")
         assert aborted["intent"] == 2
@@ -225,14 +225,6 @@ def test_sigkill_of_the_daemon_mid_start_leaves_no_stray_and_a_readable_journal(
     )
     assert result.returncode == 0
     assert "leftover.reaped" in result.stdout and "journal.repaired" in result.stdout
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _cmdline(pid: int) -> list[str]:
