@@ -12,7 +12,7 @@ import os
 import queue
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -88,7 +88,7 @@ class Supervisor:
         self.store = StateStore(config.paths.state_file)
         self.jobs = ObserveJobs(self.events, config)
         self.window = SignalWindow(config.observe.window_s)
-        self.signals: dict[str, float | None] = {}
+        self.signals: Mapping[str, float | None] = {}  # the window returns a fresh mapping per poll
         self.exporter: Exporter | None = None
         self.lifecycle: Lifecycle | None = None
         self.reload_requested = False
@@ -246,7 +246,7 @@ class Supervisor:
             log.debug("engine.scrape_failed", error=scrape.error)
         try:
             engine_sample = scrape.sample if scrape is not None else None
-            self.signals = dict(self.window.update(sample.taken_at, engine_sample, sample.readings))
+            self.signals = self.window.update(sample.taken_at, engine_sample, sample.readings)
         except ValueError:  # older than the last sample (cannot happen with one poll thread): drop it
             return
         self.metrics.set_signals(self.signals, SIGNAL_UNITS)

@@ -12,6 +12,7 @@ import pytest
 from tunerd.observe import host
 from tunerd.observe.host import (
     HostCollector,
+    PsiLine,
     pci_sysfs_name,
     read_meminfo,
     read_memory_pressure,
@@ -19,6 +20,7 @@ from tunerd.observe.host import (
     read_pci_numa_node,
     read_vmstat,
 )
+from tunerd.observe.procfs import ProcFiles
 
 KIB = 1024
 
@@ -77,6 +79,13 @@ READING_KEYS = {
 }
 
 
+FAKE_PAGE_SIZE = 4096  # statm counts pages; the fake trees are written for this size whatever the host's
+
+
+def fake_collector(proc: Path, **kwargs) -> HostCollector:
+    return HostCollector(proc=str(proc), page_size=FAKE_PAGE_SIZE, **kwargs)
+
+
 def write_pid(proc: Path, pid: int, *, ppid: int, minflt: int, majflt: int, rss_kb: int | None) -> None:
     d = proc / str(pid)
     d.mkdir(parents=True)
@@ -88,6 +97,11 @@ def write_pid(proc: Path, pid: int, *, ppid: int, minflt: int, majflt: int, rss_
     if rss_kb is not None:
         status += f"VmRSS:\t{rss_kb:>8} kB\n"
     (d / "status").write_text(status + "Threads:\t3\n")
+    # statm: size resident shared text lib data dt, in pages; a zombie has no memory map: all zero.
+    pages = (rss_kb or 0) * 1024 // FAKE_PAGE_SIZE
+    (d / "statm").write_text(
+        f"{pages * 3} {pages} {pages // 4} 1000 0 {pages * 2} 0\n" if pages else "0 0 0 0 0 0 0\n"
+    )
 
 
 def make_proc(tmp_path: Path, *, psi: bool = True) -> Path:
@@ -106,7 +120,7 @@ def make_proc(tmp_path: Path, *, psi: bool = True) -> Path:
 
 def test_sample_reads_every_figure_exactly(tmp_path: Path) -> None:
     proc = make_proc(tmp_path)
-    s = HostCollector(proc=str(proc), clock=lambda: 12.5).sample([1745, 1809, 1808])
+    s = fake_collector(proc, clock=lambda: 12.5).sample([1745, 1809, 1808])
     assert s.taken_at == 12.5
     assert s.mem_total_bytes == 127600748 * KIB
     assert s.mem_available_bytes == 118566368 * KIB
@@ -129,7 +143,7 @@ def test_sample_reads_every_figure_exactly(tmp_path: Path) -> None:
 
 def test_as_readings_has_exactly_the_documented_keys(tmp_path: Path) -> None:
     proc = make_proc(tmp_path)
-    r = HostCollector(proc=str(proc)).sample([1809]).as_readings()
+    r = fake_collector(proc).sample([1809]).as_readings()
     assert set(r) == READING_KEYS
     assert r["host.mem_total_bytes"] == 127600748.0 * KIB
     assert r["host.psi_some_avg10"] == 1.25
@@ -145,7 +159,7 @@ def test_as_readings_has_exactly_the_documented_keys(tmp_path: Path) -> None:
 
 def test_kernel_without_psi_gives_none_not_zero(tmp_path: Path) -> None:
     proc = make_proc(tmp_path, psi=False)
-    s = HostCollector(proc=str(proc)).sample()
+    s = fake_collector(proc).sample()
     assert s.pressure is None
     r = s.as_readings()
     for key in (
@@ -170,7 +184,16 @@ def test_psi_disabled_with_eopnotsupp_gives_none(tmp_path: Path, monkeypatch: py
 
     monkeypatch.setattr(host, "_read_text", read)
     assert read_memory_pressure(str(proc)) is None
-    assert HostCollector(proc=str(proc)).sample().pressure is None
+    # The collector reads through descriptors it keeps open (procfs.ProcFiles): fail the same read there.
+    real_pread = ProcFiles.read
+
+    def pread(files: ProcFiles, name: str, *, to_eof: bool = False) -> bytes:
+        if name == "pressure/memory":
+            raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+        return real_pread(files, name, to_eof=to_eof)
+
+    monkeypatch.setattr(ProcFiles, "read", pread)
+    assert fake_collector(proc).sample().pressure is None
 
 
 def test_psi_without_full_line_keeps_some(tmp_path: Path) -> None:
@@ -183,9 +206,9 @@ def test_psi_without_full_line_keeps_some(tmp_path: Path) -> None:
 def test_engine_pid_that_vanished_is_skipped(tmp_path: Path) -> None:
     proc = make_proc(tmp_path)
     # 9999 never existed; 1745 is still listed but its files are gone (exited between list and read).
-    for name in ("stat", "status"):
+    for name in ("stat", "status", "statm"):
         (proc / "1745" / name).unlink()
-    s = HostCollector(proc=str(proc)).sample([9999, 1745, 1809])
+    s = fake_collector(proc).sample([9999, 1745, 1809])
     assert s.engine is not None
     assert s.engine.pids == (1809,)
     assert (s.engine.minflt_total, s.engine.majflt_total) == (250000, 5)
@@ -195,7 +218,7 @@ def test_engine_pid_that_vanished_is_skipped(tmp_path: Path) -> None:
 def test_no_engine_pids_gives_none_engine_readings(tmp_path: Path) -> None:
     proc = make_proc(tmp_path)
     for pids in ([], [9999]):
-        r = HostCollector(proc=str(proc)).sample(pids).as_readings()
+        r = fake_collector(proc).sample(pids).as_readings()
         assert r["engine.minflt_total"] is None
         assert r["engine.rss_bytes"] is None
 
@@ -203,14 +226,14 @@ def test_no_engine_pids_gives_none_engine_readings(tmp_path: Path) -> None:
 def test_missing_vmstat_gives_none_counters(tmp_path: Path) -> None:
     proc = make_proc(tmp_path)
     (proc / "vmstat").unlink()
-    s = HostCollector(proc=str(proc)).sample()
+    s = fake_collector(proc).sample()
     assert (s.pgfault_total, s.swap_in_pages_total) == (None, None)
     assert s.mem_total_bytes == 127600748 * KIB
 
 
 def test_missing_meminfo_raises(tmp_path: Path) -> None:
     with pytest.raises(OSError):
-        HostCollector(proc=str(tmp_path)).sample()
+        fake_collector(tmp_path).sample()
 
 
 def test_read_meminfo_converts_kb_and_keeps_counts(tmp_path: Path) -> None:
@@ -278,3 +301,31 @@ def test_smoke_on_this_machines_proc() -> None:
         assert r["host.psi_some_total_us"] is None
     else:
         assert r["host.psi_some_total_us"] is not None
+
+
+def test_psi_in_another_layout_is_read_word_by_word_and_garbage_is_none(tmp_path: Path) -> None:
+    (tmp_path / "pressure").mkdir()
+    psi_file = tmp_path / "pressure" / "memory"
+    psi_file.write_text("some total=5 avg300=0.10 avg60=0.50 avg10=1.25\n")
+    psi = read_memory_pressure(str(tmp_path))
+    assert psi is not None and psi.some == PsiLine(1.25, 0.5, 0.1, 5) and psi.full is None
+    psi_file.write_text("some avg10=1.2.3 avg60=0.50 avg300=0.10 total=5\n")
+    assert read_memory_pressure(str(tmp_path)) is None
+
+
+def test_rss_comes_from_statm_and_files_of_pids_no_longer_sampled_are_closed(tmp_path: Path) -> None:
+    proc = make_proc(tmp_path)
+    (proc / "1809" / "statm").write_text(f"9 {1000000 // 4} 0 0 0 0 0\n")  # statm wins over status
+    collector = fake_collector(proc)
+    fds = Path("/proc/self/fd")
+    before = len(list(fds.iterdir())) if fds.exists() else None
+    assert collector.sample([1745, 1809]).engine.rss_bytes == (1275256 + 1000000) * KIB  # type: ignore[union-attr]
+    (proc / "meminfo").write_text(MEMINFO.replace("118566368", "118000000"))  # rewritten, as procfs is
+    second = collector.sample([1809])
+    assert second.mem_available_bytes == 118000000 * KIB
+    assert second.engine is not None and second.engine.pids == (1809,)
+    if before is not None:  # meminfo, vmstat, pressure/memory, 1809/stat, 1809/statm
+        assert len(list(fds.iterdir())) == before + 5
+    collector.close()
+    if before is not None:
+        assert len(list(fds.iterdir())) == before

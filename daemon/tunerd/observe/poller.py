@@ -7,7 +7,6 @@ vLLM listens (None while it does not serve yet) and the engine's root pid (for i
 
 from __future__ import annotations
 
-import http.cookiejar
 import queue
 import time
 from collections.abc import Mapping
@@ -19,8 +18,8 @@ import httpx
 from tunerd.observe import procfs
 from tunerd.observe.gpu import GpuCollector, GpuSample
 from tunerd.observe.host import HostCollector, HostSample
-from tunerd.observe.http_transport import LoopbackTransport
-from tunerd.observe.vllm_metrics import ScrapeResult, filtered_metrics_url, scrape
+from tunerd.observe.http_transport import LoopbackClient
+from tunerd.observe.vllm_metrics import ScrapeResult, filtered_metrics_url, metrics_request, scrape
 
 PIDS_REFRESH_S = 10.0  # walking /proc for the engine's tree costs ~1 ms: not every poll
 
@@ -66,15 +65,13 @@ class FaultCounter:
         return self.minor, self.major
 
 
-class NoCookies(http.cookiejar.CookieJar):
-    """vLLM sets no cookies; parsing every response's headers for them costs CPU every poll."""
-
-    def extract_cookies(self, response: Any, request: Any) -> None:
-        return None
-
-
 class Poller:
-    """One poll per `tick()`; results go to `events`. Keeps only per-run bookkeeping of its own."""
+    """One poll per `tick()`; results go to `events`. Keeps only per-run bookkeeping of its own.
+
+    Per run it asks vLLM for `vllm:cache_config_info` only until one answer has it (static for a run, and
+    a tenth of the filtered answer); later samples carry that `cache_config` on. The requests are built
+    once per run and sent again each poll (`metrics_request`).
+    """
 
     def __init__(
         self,
@@ -91,13 +88,14 @@ class Poller:
         self.gpu = gpu or GpuCollector(proc=proc)
         self.proc = proc
         self.clock = clock
-        self.client = httpx.Client(transport=LoopbackTransport(), trust_env=False, cookies=NoCookies())
+        self.client = LoopbackClient()
         self._run_id: int | None = None
         self._faults = FaultCounter()
         self._pids: list[int] = []
         self._pids_at = float("-inf")
-        self._url: str | None = None
-        self._filtered = True
+        self._request: httpx.Request | None = None  # the next scrape's request; None: build it
+        self._filtered = True  # False once vLLM (or a proxy) refused /metrics/?name[]=…
+        self._cache_config: Mapping[str, str] | None = None  # the run's, once read
 
     def tick(self) -> None:
         sample = self.poll()
@@ -124,7 +122,7 @@ class Poller:
         self._run_id = target.run_id if target else None
         self._faults = FaultCounter()
         self._pids, self._pids_at = [], float("-inf")
-        self._url, self._filtered = None, True
+        self._request, self._filtered, self._cache_config = None, True, None
 
     def _engine_pids(self, target: PollTarget | None, now: float) -> list[int]:
         if target is None:
@@ -137,16 +135,28 @@ class Poller:
     def _scrape(self, target: PollTarget | None) -> ScrapeResult | None:
         if target is None or target.base_url is None:
             return None
-        if self._url is None:
-            self._url = (
-                filtered_metrics_url(target.base_url) if self._filtered else target.base_url + "/metrics"
-            )
-        result = scrape(self.client, self._url)
+        if self._request is None:
+            self._request = self._build_request(target.base_url)
+        result = scrape(self.client, self._request, cache_config=self._cache_config)
         if result.error is not None and self._filtered and result.error.startswith("HTTP "):
             # A vLLM (or proxy) that does not serve /metrics/?name[]=…: fall back to the whole page.
-            self._filtered, self._url = False, target.base_url + "/metrics"
-            result = scrape(self.client, self._url)
+            self._filtered = False
+            self._request = self._build_request(target.base_url)
+            result = scrape(self.client, self._request, cache_config=self._cache_config)
+        sample = result.sample
+        if sample is not None and sample.cache_config is not None and self._cache_config is None:
+            # The run's first: carried on from now on, and no longer asked for (when filtering).
+            self._cache_config = sample.cache_config
+            if self._filtered:
+                self._request = None
         return result
+
+    def _build_request(self, base_url: str) -> httpx.Request:
+        if not self._filtered:
+            url = base_url + "/metrics"
+        else:
+            url = filtered_metrics_url(base_url, cache_config=self._cache_config is None)
+        return metrics_request(self.client, url)
 
     def _sample_host(self, pids: list[int]) -> HostSample | None:
         try:
@@ -156,3 +166,4 @@ class Poller:
 
     def close(self) -> None:
         self.client.close()
+        self.host.close()

