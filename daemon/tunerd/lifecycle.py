@@ -16,11 +16,9 @@ from typing import Any
 import structlog
 
 from tunerd.act.capacity import CalibrationDone, Capacity
-from tunerd.act.identity import Capabilities, EngineIdentity, identity_changes
+from tunerd.act.identity import Capabilities, EngineIdentity, identity_changes, probe_identity
 from tunerd.config import Config
-from tunerd.decide.guards import (
-    MemoryReading,
-)
+from tunerd.decide.guards import MemoryReading
 from tunerd.decide.restart_policy import Action, decide_after_failure
 from tunerd.engine.failures import EngineFailure, FailureKind
 from tunerd.engine.logwatch import KvCacheSize
@@ -462,7 +460,5 @@ class Lifecycle:
 
 
 def _identity_job(run: EngineRun) -> EngineIdentity:
-    from tunerd.act.identity import probe_identity
-
     model = run.argv[run.argv.index("--model") + 1] if "--model" in run.argv else ""
     return probe_identity(run.run_id, run.base_url, model)

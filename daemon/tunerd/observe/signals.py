@@ -25,11 +25,12 @@ import math
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from itertools import accumulate
 from math import isfinite
 from operator import add, attrgetter, lt, sub
 from typing import TYPE_CHECKING
+
+from tunerd.observe.signal_catalog import KEY_INDICATORS, SIGNAL_TABLE, SIGNALS, SignalSpec, signals_markdown
 
 if TYPE_CHECKING:
     from tunerd.observe.vllm_metrics import EngineSample, Histogram
@@ -57,110 +58,10 @@ _engine_fields = attrgetter(*_ENGINE_FIELDS)  # one C call for the eight fields
 _engine_histograms = attrgetter(*_ENGINE_HISTOGRAMS)
 
 
-@dataclass(frozen=True, slots=True)
-class SignalSpec:
-    """One published signal. `kind` says how it is computed over the window: `last` (latest poll),
-    `avg`/`max`/`min` (over the window's readings), `rate` (counter increase per second), `ratio`
-    (increase of one counter over another's), `quantile` (from histogram bucket increases)."""
-
-    name: str
-    unit: str
-    kind: str
-    source: str
-    description: str
-
-
-_M = "vLLM /metrics (the scrape's outcome)"
-_KV = "vllm:kv_cache_usage_perc (old: vllm:gpu_cache_usage_perc), max over engines"
-_RUN = "vllm:num_requests_running, summed over engines"
-_WAIT = "vllm:num_requests_waiting, summed over engines"
-_MEM = "host.mem_available_bytes, host.mem_total_bytes (/proc/meminfo)"
-_AVAIL = "/proc/meminfo MemAvailable"
-_PCIE = "gpu.pcie_tx_bytes_per_s + gpu.pcie_rx_bytes_per_s (NVML; None on unified memory: no PCIe link)"
-_LAT = (
-    ("ttft", "vllm.ttft", "vllm:time_to_first_token_seconds"),
-    ("itl", "vllm.inter_token_latency", "vllm:inter_token_latency_seconds (old: time_per_output_token)"),
-    ("e2e", "vllm.e2e_latency", "vllm:e2e_request_latency_seconds"),
-    ("queue_time", "vllm.queue_time", "vllm:request_queue_time_seconds"),
-)
-# (name, unit, kind, argument, source, description). The argument is the input name; (input, q) for
-# quantiles; (numerator, denominator) counters for ratios.
-# fmt: off
-_TABLE: tuple[tuple[str, str, str, object, str, str], ...] = (
-    ("scrape.up", "1/0", "last", "scrape.up", _M, "1 when the latest poll's scrape gave a sample, else 0"),
-    ("scrape.success_ratio", "ratio 0..1", "avg", "scrape.up", _M, "share of polls with a sample"),
-    ("kv_cache.usage", "ratio 0..1", "last", "vllm.kv_cache_usage", _KV, "KV-cache usage, latest poll"),
-    ("kv_cache.usage_avg", "ratio 0..1", "avg", "vllm.kv_cache_usage", _KV, "mean over the window"),
-    ("kv_cache.usage_max", "ratio 0..1", "max", "vllm.kv_cache_usage", _KV, "max over the window"),
-    ("kv_cache.size_tokens", "tokens", "last", "vllm.kv_cache_size_tokens",
-     "vllm:cache_config_info label kv_cache_size_tokens", "KV-cache capacity as vLLM resolved it"),
-    ("requests.running", "requests", "last", "vllm.requests_running", _RUN, "requests in the batch, latest"),
-    ("requests.running_avg", "requests", "avg", "vllm.requests_running", _RUN, "mean over the window"),
-    ("requests.waiting", "requests", "last", "vllm.requests_waiting", _WAIT, "requests queued, latest"),
-    ("requests.waiting_max", "requests", "max", "vllm.requests_waiting", _WAIT, "max over the window"),
-    ("requests.completed_rate", "1/s", "rate", "vllm.e2e_latency", "vllm:e2e_request_latency_seconds",
-     "requests finished per second (increase of the +Inf bucket)"),
-    ("preemptions.rate", "1/s", "rate", "vllm.preemptions_total", "vllm:num_preemptions_total",
-     "preemptions per second: the KV cache is too small for the batch"),
-    ("throughput.generation", "tokens/s", "rate", "vllm.generation_tokens_total",
-     "vllm:generation_tokens_total", "generated tokens per second"),
-    ("throughput.prompt", "tokens/s", "rate", "vllm.prompt_tokens_total", "vllm:prompt_tokens_total",
-     "prompt tokens per second"),
-    ("prefix_cache.hit_ratio", "ratio 0..1", "ratio",
-     ("vllm.prefix_cache_hits_total", "vllm.prefix_cache_queries_total"),
-     "vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total (old: vllm:gpu_prefix_cache_*)",
-     "increase of hit tokens / increase of queried tokens; None without queries"),
-    *(
-        (f"{short}.p{round(q * 100)}", "s", "quantile", (name, q), metric,
-         f"{q:g} quantile of the window's observations (histogram_quantile of bucket increases)")
-        for short, name, metric in _LAT for q in (0.5, 0.95, 0.99)
-    ),
-    ("memory.used_ratio", "ratio 0..1", "last", "host.mem_used_ratio", _MEM,
-     "1 − MemAvailable/MemTotal: host memory in use (on unified memory, the GPU's too)"),
-    ("memory.used_ratio_max", "ratio 0..1", "max", "host.mem_used_ratio", _MEM, "max over the window"),
-    ("host.mem_available_bytes", "bytes", "last", "host.mem_available_bytes", _AVAIL, "latest poll"),
-    ("host.mem_available_bytes_min", "bytes", "min", "host.mem_available_bytes", _AVAIL, "window min"),
-    ("host.page_cache_bytes", "bytes", "last", "host.page_cache_bytes", "/proc/meminfo",
-     "Buffers + Cached − Shmem: page cache that dropping caches would free"),
-    ("host.swap_used_bytes", "bytes", "last", "host.swap_used_bytes", "/proc/meminfo", "swap in use"),
-    ("host.swap_in_rate", "pages/s", "rate", "host.swap_in_pages_total", "/proc/vmstat pswpin",
-     "pages swapped in per second"),
-    ("host.swap_out_rate", "pages/s", "rate", "host.swap_out_pages_total", "/proc/vmstat pswpout",
-     "pages swapped out per second"),
-    ("host.page_fault_rate", "1/s", "rate", "host.pgfault_total", "/proc/vmstat pgfault",
-     "page faults (minor + major) per second, whole host"),
-    ("host.major_fault_rate", "1/s", "rate", "host.pgmajfault_total", "/proc/vmstat pgmajfault",
-     "major faults (served from disk) per second, whole host"),
-    ("host.psi_some_avg10", "percent", "last", "host.psi_some_avg10", "/proc/pressure/memory some avg10",
-     "share of time some task stalled on memory (10 s average)"),
-    ("host.psi_full_avg10", "percent", "last", "host.psi_full_avg10", "/proc/pressure/memory full avg10",
-     "share of time all tasks stalled on memory (10 s average)"),
-    ("engine.fault_rate", "1/s", "rate", "engine.faults_total",
-     "engine.minflt_total + engine.majflt_total (/proc/<pid>/stat, engine process tree)",
-     "page faults per second in the engine processes"),
-    ("engine.major_fault_rate", "1/s", "rate", "engine.majflt_total",
-     "engine.majflt_total (/proc/<pid>/stat, engine process tree)",
-     "major faults per second in the engine processes"),
-    ("engine.rss_bytes", "bytes", "last", "engine.rss_bytes", "/proc/<pid>/status VmRSS, engine tree",
-     "resident memory of the engine processes"),
-    ("gpu.mem_used_bytes", "bytes", "last", "gpu.mem_used_bytes", "NVML", "in use (host figure on GB10)"),
-    ("gpu.mem_used_ratio", "ratio 0..1", "last", "gpu.mem_used_ratio",
-     "gpu.mem_used_bytes, gpu.mem_total_bytes (NVML)", "used / total GPU memory"),
-    ("gpu.engine_mem_bytes", "bytes", "last", "gpu.engine_mem_bytes", "NVML per-process memory",
-     "GPU memory held by the engine processes"),
-    ("gpu.util_percent", "percent", "last", "gpu.util_percent", "NVML", "GPU utilization, latest poll"),
-    ("gpu.util_percent_avg", "percent", "avg", "gpu.util_percent", "NVML", "mean over the window"),
-    ("gpu.migration_bytes_per_s", "bytes/s", "last", "gpu.migration_bytes_per_s", _PCIE,
-     "host↔GPU traffic, latest poll"),
-    ("gpu.migration_bytes_per_s_avg", "bytes/s", "avg", "gpu.migration_bytes_per_s", _PCIE, "window mean"),
-    ("gpu.unified_memory", "1/0", "last", "gpu.unified_memory", "NVML", "1: CPU and GPU share memory (GB10)"),
-)
-# fmt: on
-SIGNALS: tuple[SignalSpec, ...] = tuple(SignalSpec(n, u, k, src, d) for n, u, k, _, src, d in _TABLE)
 _NAMES = tuple(s.name for s in SIGNALS)
 # The catalogue by kind, so that `signals()` runs one tight loop per kind instead of dispatching 53 times.
 _BY_KIND: dict[str, list[tuple[str, object]]] = {}
-for _name, _, _kind, _arg, _, _ in _TABLE:
+for _name, _, _kind, _arg, _, _ in SIGNAL_TABLE:
     _BY_KIND.setdefault(_kind, []).append((_name, _arg))
 _LAST, _AVG, _MAX, _MIN, _RATE = (tuple(_BY_KIND.get(k, ())) for k in ("last", "avg", "max", "min", "rate"))
 _RATIO = tuple(_BY_KIND.get("ratio", ()))
@@ -168,16 +69,6 @@ _EXTREMES_INPUTS = frozenset(arg for _, arg in (*_MAX, *_MIN))
 _QUANTILES: dict[str, tuple[tuple[str, float], ...]] = {}
 for _name, (_input, _q) in _BY_KIND["quantile"]:  # type: ignore[misc]
     _QUANTILES[_input] = (*_QUANTILES.get(_input, ()), (_name, _q))
-# The four indicators the operators' guide watches together.
-KEY_INDICATORS = ("memory.used_ratio", "host.page_fault_rate", "gpu.migration_bytes_per_s", "kv_cache.usage")
-
-
-def signals_markdown() -> str:
-    """The catalogue as a Markdown table (docs/signals.md embeds it; a test keeps the two equal)."""
-    rows = ["| signal | unit | kind | how computed | source |", "|---|---|---|---|---|"]
-    for s in SIGNALS:
-        rows.append(f"| `{s.name}` | {s.unit} | {s.kind} | {s.description} | {s.source} |")
-    return "\n".join(rows) + "\n"
 
 
 def histogram_quantile(q: float, bounds: tuple[float, ...], cumulative: tuple[float, ...]) -> float | None:

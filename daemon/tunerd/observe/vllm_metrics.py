@@ -29,7 +29,6 @@ timestamp. Duplicate label names are caught only on the lines of the families re
 
 from __future__ import annotations
 
-import os
 import re
 import time
 import urllib.parse
@@ -40,6 +39,18 @@ from operator import add, itemgetter
 from types import MappingProxyType
 
 import httpx
+
+from tunerd.observe.prom_grammar import (
+    FLOAT,
+    LABELS,
+    LINE,
+    PLAIN_LABEL,
+    WS,
+    MetricsParseError,
+    alternation,
+    bucket_bound,
+    parse_labels,
+)
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -57,10 +68,6 @@ __all__ = [
 DEFAULT_TIMEOUT = httpx.Timeout(2.0, connect=0.5)
 # The text format, not OpenMetrics; identity encoding: gzip on localhost only costs CPU on both sides.
 _HEADERS = {"Accept": "text/plain;version=0.0.4;q=1,*/*;q=0.1", "Accept-Encoding": "identity"}
-
-
-class MetricsParseError(ValueError):
-    """The text is not Prometheus text exposition (or is truncated); the message says where."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,55 +146,6 @@ _FILTER_QUERY_NO_INFO = urllib.parse.urlencode(
 _FILTER_QUERY = _FILTER_QUERY_NO_INFO + "&" + urllib.parse.urlencode([("name[]", _CACHE_CONFIG)])
 _MAX_SCALARS = frozenset({"vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"})
 
-# --- regular expressions -------------------------------------------------------------------------------
-_NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*+"
-_QUOTED = r'"[^"\\\n]*+(?:\\.[^"\\\n]*+)*+"'
-# What float() accepts without underscores (prometheus_client's _parse_value), ASCII digits only.
-_FLOAT = (
-    r"[+-]?+(?:(?:[0-9]++(?:\.[0-9]*+)?+|\.[0-9]++)(?:[eE][+-]?+[0-9]++)?+"
-    r"|[iI][nN][fF](?:[iI][nN][iI][tT][yY])?+|[nN][aA][nN])"
-)
-_WS = r"[ \t\r\f\v]*+"  # what str.strip() removes at either end of a line (ASCII part)
-_VALUE_TAIL = rf"[ \t]++{_FLOAT}(?:[ \t]++{_FLOAT})?+{_WS}"
-_TYPES = "counter|gauge|histogram|summary|untyped|unknown|info|stateset|gaugehistogram"  # metrics_core
-_COMMENT = (
-    rf"\#(?:[ \t]++(?:HELP(?:[ \t]++(?:{_NAME}|{_QUOTED})(?:[ \t][^\n]*+)?+)?+{_WS}"
-    rf"|TYPE[ \t]++(?:{_NAME}|{_QUOTED})[ \t]++(?:{_TYPES}){_WS})"
-    rf"|(?![ \t]++(?:TYPE|HELP)(?:\s|$))[^\n]*+)"
-)
-# Labels as prometheus_client's parse_labels accepts them: legacy or quoted names (no reserved "__"
-# prefix), quoted values with escapes, optional leading/trailing comma. `_PLAIN_LABEL`, a subset, is the
-# form vLLM writes (no escapes, names not starting with "_"); tried first because it is cheaper.
-_LABEL_NAME = rf"(?!__)(?:{_NAME}|{_QUOTED})"
-_LABEL = rf"[ \t]*+{_LABEL_NAME}[ \t]*+=[ \t]*+{_QUOTED}[ \t]*+"
-_LABELS = rf"[ \t]*+,?+(?:{_LABEL}(?:,{_LABEL})*+,?+)?+[ \t]*+"
-_LABELS_RE = re.compile(_LABELS)
-_PLAIN_LABEL = r'[a-zA-Z:][a-zA-Z0-9_:]*+="[^"\\\n]*+"'
-_SAMPLE = rf"{_NAME}(?:\{{{_PLAIN_LABEL}(?:,{_PLAIN_LABEL})*+\}}|\{{{_LABELS}\}})?+{_VALUE_TAIL}"
-# Sample lines first, comments next (half the lines), leading whitespace last: it never occurs in vLLM's
-# output, but the full parser strips it.
-_LINE = rf"(?:{_SAMPLE}|{_COMMENT}|{_WS}(?:{_COMMENT}|{_SAMPLE})?+)\n"
-_LABEL_PAIR_RE = re.compile(rf'[ \t]*+({_LABEL_NAME})[ \t]*+=[ \t]*+"([^"\\\n]*+(?:\\.[^"\\\n]*+)*+)"')
-_ESCAPE_RE = re.compile(r'\\[\\n"]')
-_ESCAPES = {"\\\\": "\\", "\\n": "\n", '\\"': '"'}
-
-
-def _alternation(words: list[str]) -> str:
-    """A regex matching one of `words`, factored into a prefix tree: a line of an unwanted family
-    fails after a few characters instead of after trying each of ~40 names in turn."""
-    prefix = os.path.commonprefix(words)  # noqa: RUF071 (a character prefix is what is wanted)
-    rests = [w[len(prefix) :] for w in words]
-    if rests == [""]:
-        return re.escape(prefix)
-    by_first: dict[str, list[str]] = {}
-    for rest in rests:
-        if rest:
-            by_first.setdefault(rest[0], []).append(rest)
-    branches = "|".join(_alternation(group) for _, group in sorted(by_first.items()))
-    optional = "?" if "" in rests else ""
-    return f"{re.escape(prefix)}(?:{branches}){optional}"
-
-
 _SUM, _MAX, _BUCKET, _INFO = range(4)
 _KIND: dict[str, int] = {n: _SUM for alts in _SCALARS.values() for n in alts}
 _KIND.update({n: _MAX for n in _MAX_SCALARS})
@@ -198,54 +156,18 @@ for _alts in _HISTOGRAMS.values():
 
 # One pattern that matches every line in turn, so that one `findall` both validates the body and picks
 # out the lines of wanted families: groups 1–3 (name, labels, value) for a valid line of a family in
-# `EngineSample` (the same grammar as `_LINE`, the labels of either form captured whole); no group for
+# `EngineSample` (the same grammar as `LINE`, the labels of either form captured whole); no group for
 # any other valid line; group 4 for a line that is not valid exposition (never empty: it holds at least
 # its newline). A wanted line that does not parse thus raises instead of vanishing.
 # One pass instead of a whole-body validation plus a search for wanted lines: ~65 µs instead of ~100 µs
 # on vLLM 0.32's filtered answer (130 lines, 10 kB).
 _SCAN_RE = re.compile(
-    rf"{_WS}({_alternation(sorted(_KIND))})"
-    rf"(?:\{{((?:{_PLAIN_LABEL}(?:,{_PLAIN_LABEL})*+)|{_LABELS})\}})?+"
-    rf"[ \t]++({_FLOAT})(?:[ \t]++{_FLOAT})?+{_WS}\n"
-    rf"|(?>{_LINE})"
+    rf"{WS}({alternation(sorted(_KIND))})"
+    rf"(?:\{{((?:{PLAIN_LABEL}(?:,{PLAIN_LABEL})*+)|{LABELS})\}})?+"
+    rf"[ \t]++({FLOAT})(?:[ \t]++{FLOAT})?+{WS}\n"
+    rf"|(?>{LINE})"
     rf"|([^\n]*+\n)"
 )
-
-# Parsed label strings, keyed by the raw text between the braces. Cleared when they pile up.
-_LABEL_CACHE: dict[str, Mapping[str, str]] = {}
-_CACHE_MAX = 4096
-
-
-def _unescape(value: str) -> str:
-    return _ESCAPE_RE.sub(lambda m: _ESCAPES[m.group(0)], value) if "\\" in value else value
-
-
-def _parse_labels(raw: str) -> Mapping[str, str]:
-    labels = _LABEL_CACHE.get(raw)
-    if labels is None:
-        if _LABELS_RE.fullmatch(raw) is None:
-            raise MetricsParseError(f"unparsable labels {{{raw[:100]}}}")
-        pairs = [
-            (_unescape(n[1:-1]) if n[0] == '"' else n, _unescape(v)) for n, v in _LABEL_PAIR_RE.findall(raw)
-        ]
-        parsed = dict(pairs)
-        if len(parsed) != len(pairs):
-            raise MetricsParseError(f"duplicate label name in {{{raw}}}")
-        if len(_LABEL_CACHE) >= _CACHE_MAX:
-            _LABEL_CACHE.clear()
-        labels = _LABEL_CACHE[raw] = MappingProxyType(parsed)
-    return labels
-
-
-def _bucket_bound(name: str, raw_labels: str) -> float:
-    le = _parse_labels(raw_labels).get("le")
-    if le is None:
-        raise MetricsParseError(f"{name} line without an le label")
-    try:
-        return float(le)
-    except ValueError:
-        raise MetricsParseError(f"{name} line with unparsable le={le!r}") from None
-
 
 _INF = float("inf")
 _NO_LABELS: Mapping[str, str] = MappingProxyType({})
@@ -286,13 +208,13 @@ class _Layout:
             kind = _KIND[name]
             if kind == _INFO:
                 if cache_config is None:
-                    cache_config = _parse_labels(raw) if raw else _NO_LABELS
+                    cache_config = parse_labels(raw) if raw else _NO_LABELS
                 continue
             if kind == _BUCKET:
-                key: str | tuple[str, float] = (name, _bucket_bound(name, raw))
+                key: str | tuple[str, float] = (name, bucket_bound(name, raw))
             else:
                 if raw:
-                    _parse_labels(raw)  # validates (raises): duplicate names, escapes
+                    parse_labels(raw)  # validates (raises): duplicate names, escapes
                 key = name
             groups.setdefault(key, []).append(line)
         self.cache_config = cache_config
@@ -407,7 +329,7 @@ _last_layout: _Layout | None = None
 # body at its slots leaves its skeleton (names, labels, comments); a body whose skeleton equals that of
 # the previous, fully checked body is that body with other values: only the slots need checking, and
 # the split does that in ~25 µs where the full scan takes ~65 µs (vLLM 0.32's filtered answer).
-_SLOT_RE = re.compile(rf" ({_FLOAT})\n")
+_SLOT_RE = re.compile(rf" ({FLOAT})\n")
 
 
 def extract(text: str, *, cache_config: Mapping[str, str] | None = None) -> EngineSample:
