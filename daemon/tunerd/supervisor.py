@@ -246,7 +246,9 @@ class Supervisor:
             log.debug("engine.scrape_failed", error=scrape.error)
         try:
             engine_sample = scrape.sample if scrape is not None else None
-            self.signals = self.window.update(sample.taken_at, engine_sample, sample.readings)
+            self.signals = self.window.update(
+                sample.taken_at, engine_sample, sample.readings, scraped=scrape is not None
+            )
         except ValueError:  # older than the last sample (cannot happen with one poll thread): drop it
             return
         self.metrics.set_signals(self.signals, SIGNAL_UNITS)

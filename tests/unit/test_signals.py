@@ -323,3 +323,12 @@ def test_signals_from_the_kv_pressure_captures() -> None:
     bounds = tuple(le for le, _ in last.ttft.buckets)
     assert out["ttft.p95"] == histogram_quantile(0.95, bounds, delta)
     assert out["ttft.p95"] is not None and 0.02 <= out["ttft.p95"] <= 0.06
+
+
+def test_a_poll_without_a_scrape_leaves_scrape_up_unknown_not_failed() -> None:
+    window = SignalWindow(60.0)
+    window.add(0.0, None, {}, scraped=False)  # vLLM not serving yet: nothing was asked
+    assert window.signals()["scrape.up"] is None
+    window.add(1.0, None, {})  # asked, and it failed
+    signals = window.signals()
+    assert signals["scrape.up"] == 0.0 and signals["scrape.success_ratio"] == 0.0

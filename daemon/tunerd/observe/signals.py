@@ -177,16 +177,24 @@ class SignalWindow:
         """Polls inside the window."""
         return len(self._polls)
 
-    def add(self, now: float, engine: EngineSample | None, readings: Mapping[str, float | None] = {}) -> None:
+    def add(
+        self,
+        now: float,
+        engine: EngineSample | None,
+        readings: Mapping[str, float | None] = {},
+        *,
+        scraped: bool = True,
+    ) -> None:
         """Record one poll at monotonic time `now` (never earlier than the previous poll, else
-        ValueError): the engine sample (None: the scrape failed) and any readings by name."""
+        ValueError): the engine sample (None: the scrape failed) and any readings by name.
+        `scraped` False: no scrape was attempted (vLLM not serving yet), so `scrape.up` is unknown."""
         polls = self._polls
         if polls and now < polls[-1]:
             raise ValueError(f"poll at {now} is earlier than the previous one at {polls[-1]}")
         # None, NaN and ±inf are missing readings.
         inputs = {n: None if v is None or not isfinite(v) else float(v) for n, v in readings.items()}
         inputs.update(_derived(inputs))
-        inputs["scrape.up"] = 0.0 if engine is None else 1.0
+        inputs["scrape.up"] = (0.0 if engine is None else 1.0) if scraped else None
         cutoff = now - self.window_s
         appended = 0
         if engine is not None:
@@ -377,10 +385,15 @@ class SignalWindow:
             out[signal] = _bucket_quantile(q, les, counts)  # type: ignore[arg-type]
 
     def update(
-        self, now: float, engine: EngineSample | None, readings: Mapping[str, float | None] = {}
+        self,
+        now: float,
+        engine: EngineSample | None,
+        readings: Mapping[str, float | None] = {},
+        *,
+        scraped: bool = True,
     ) -> Mapping[str, float | None]:
         """`add` then `signals`: the per-poll call."""
-        self.add(now, engine, readings)
+        self.add(now, engine, readings, scraped=scraped)
         return self.signals()
 
 
