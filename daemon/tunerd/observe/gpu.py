@@ -61,8 +61,8 @@ class GpuDeviceSample:
     `unsupported` names the fields NVML can't provide on this device. Their value is None, except the
     `mem_*` fields on a unified-memory device, which the host fills in (`memory_source="host"`).
     `engine_mem_bytes` is the engine's GPU memory: the sum of NVML's per-process `usedGpuMemory` over
-    the engine pids on a discrete GPU, the engine processes' RSS on unified memory (then
-    `engine_nvml_mem_bytes` keeps NVML's per-process sum, which works on GB10, for comparison).
+    the engine pids (`engine_nvml_mem_bytes`; it works on GB10 too), or on unified memory, where NVML
+    lists none of them, the engine processes' RSS.
     Both are None when no engine pid was given. `processes` lists every compute process, so a caller can
     spot another program holding GPU memory.
     """
@@ -417,8 +417,10 @@ class GpuCollector:
             if host_mem is not None and "MemTotal" in host_mem and "MemAvailable" in host_mem:
                 total, free = host_mem["MemTotal"], host_mem["MemAvailable"]
                 used = total - free
-            # On unified memory the engine's share is its processes' RSS (see GpuDeviceSample).
-            engine_mem = engine.rss_bytes if engine is not None else None
+            # NVML's per-process memory works on GB10 (vllm-facts.md) and counts what the driver takes
+            # from RAM outside the processes' RSS; RSS is the fallback where NVML lists nothing.
+            if engine_mem is None:
+                engine_mem = engine.rss_bytes if engine is not None else None
         elif mem is not _MISSING:
             total, used, free = int(mem.total), int(mem.used), int(mem.free)
 
