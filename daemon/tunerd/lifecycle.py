@@ -213,6 +213,7 @@ class Lifecycle:
                 seconds=seconds,
                 kv_cache_tokens=kv,
                 predicted_kv_cache_tokens=run.predicted_kv_tokens,
+                init_engine_s=run.init_seconds,
                 params=run.params,
             )
             self._close_intent("ok", seconds=seconds, kv_cache_tokens=kv)

@@ -36,19 +36,6 @@ def test_wait_status_with_core_dump_still_gives_the_signal() -> None:
     assert ExitStatus.from_wait_status(killed(signal.SIGSEGV, core=True)).signal == signal.SIGSEGV
 
 
-@pytest.mark.parametrize(
-    ("returncode", "expected"),
-    [
-        (0, ExitStatus(code=0, signal=None)),
-        (1, ExitStatus(code=1, signal=None)),
-        (-9, ExitStatus(code=None, signal=9)),
-        (-15, ExitStatus(code=None, signal=15)),
-    ],
-)
-def test_from_returncode_treats_negative_as_signal(returncode: int, expected: ExitStatus) -> None:
-    assert ExitStatus.from_returncode(returncode) == expected
-
-
 def test_only_sigkill_is_a_likely_oom_kill() -> None:
     assert ExitStatus(code=None, signal=signal.SIGKILL).likely_oom_kill
     assert not ExitStatus(code=None, signal=signal.SIGTERM).likely_oom_kill

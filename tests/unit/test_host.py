@@ -16,7 +16,6 @@ from tunerd.observe.host import (
     pci_sysfs_name,
     read_meminfo,
     read_memory_pressure,
-    read_numa_node_meminfo,
     read_pci_numa_node,
     read_vmstat,
 )
@@ -248,24 +247,6 @@ def test_read_vmstat_all_or_selected(tmp_path: Path) -> None:
     (tmp_path / "vmstat").write_text(VMSTAT)
     assert read_vmstat(str(tmp_path))["workingset_nodes"] == -3
     assert read_vmstat(str(tmp_path), ["pgfault", "pswpin", "absent"]) == {"pgfault": 987654321, "pswpin": 17}
-
-
-def test_read_numa_node_meminfo(tmp_path: Path) -> None:
-    node = tmp_path / "devices" / "system" / "node" / "node1"
-    node.mkdir(parents=True)
-    (node / "meminfo").write_text(
-        "Node 1 MemTotal:        8611612 kB\n"
-        "Node 1 MemFree:         7737688 kB\n"
-        "Node 1 HugePages_Total:     0\n"
-    )
-    assert read_numa_node_meminfo(1, str(tmp_path)) == {
-        "MemTotal": 8611612 * KIB,
-        "MemFree": 7737688 * KIB,
-        "HugePages_Total": 0,
-    }
-    assert HostCollector(sys=str(tmp_path)).numa_node_meminfo(1)["MemFree"] == 7737688 * KIB
-    with pytest.raises(OSError):
-        read_numa_node_meminfo(0, str(tmp_path))
 
 
 def test_pci_numa_node_from_sysfs(tmp_path: Path) -> None:

@@ -90,20 +90,6 @@ def test_params_are_immutable() -> None:
         params.max_model_len = 1024  # type: ignore[misc]
 
 
-def test_diff_lists_only_the_fields_that_differ() -> None:
-    old = EngineParams(max_model_len=4096, max_num_seqs=16, block_size=32)
-    new = EngineParams(max_model_len=1920, max_num_seqs=16, enable_prefix_caching=True)
-    assert old.diff(new) == {
-        "max_model_len": (4096, 1920),
-        "block_size": (32, None),
-        "enable_prefix_caching": (None, True),
-    }
-
-
-def test_diff_of_equal_params_is_empty() -> None:
-    assert EngineParams(max_model_len=512).diff(EngineParams(max_model_len=512)) == {}
-
-
 def test_as_dict_holds_only_set_params() -> None:
     assert EngineParams(max_model_len=512, enable_prefix_caching=False).as_dict() == {
         "max_model_len": 512,

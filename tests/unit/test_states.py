@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from tunerd.engine.states import (
-    PROCESS_STATES,
     TRANSITIONS,
     EngineState,
     InvalidTransition,
@@ -56,10 +55,6 @@ def test_a_state_cannot_transition_to_itself() -> None:
 
 def test_fatal_is_left_only_by_an_operator_stop_or_start() -> None:
     assert TRANSITIONS[EngineState.FATAL] == {EngineState.STOPPED, EngineState.STARTING}
-
-
-def test_process_states_are_exactly_those_with_a_live_child() -> None:
-    assert {EngineState.STARTING, EngineState.RUNNING, EngineState.STOPPING} == PROCESS_STATES
 
 
 def test_state_values_are_the_exported_metric_numbers() -> None:

@@ -22,13 +22,6 @@ class ExitStatus:
             return cls(code=None, signal=os.WTERMSIG(status))
         return cls(code=os.waitstatus_to_exitcode(status), signal=None)
 
-    @classmethod
-    def from_returncode(cls, returncode: int) -> ExitStatus:
-        """Build from a `subprocess.Popen.returncode` (negative = killed by that signal)."""
-        if returncode < 0:
-            return cls(code=None, signal=-returncode)
-        return cls(code=returncode, signal=None)
-
     @property
     def signal_name(self) -> str | None:
         if self.signal is None:

@@ -77,9 +77,8 @@ class OsCalls:
             reaped.append((pid, status))
 
     def group_pids(self, pgid: int) -> list[int]:
-        """Live processes of the process group. Zombies are dead (they hold no memory or port)."""
-        stats = (procfs.read_stat(pid, self.proc) for pid in procfs.list_pids(self.proc))
-        return [st.pid for st in stats if st is not None and st.pgrp == pgid and st.state != "Z"]
+        """Live processes of the process group (zombies left out)."""
+        return procfs.pids_in_group(pgid, self.proc, include_zombies=False)
 
     def marked_pids(self, key: str, value: str) -> list[int]:
         """Live processes whose environment holds KEY=value (tunerd's marker, inherited by vLLM's tree)."""
@@ -103,19 +102,6 @@ def resolve_program(name: str, path: str | None) -> str:
     if found is None:
         raise FileNotFoundError(errno.ENOENT, f"program {name!r} not found on PATH", name)
     return found
-
-
-def pid_alive(pid: int) -> bool:
-    """True when a process with this pid exists (zombies included)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except OSError as exc:
-        return exc.errno != errno.ESRCH
-    return True
 
 
 SIGTERM = signal.SIGTERM

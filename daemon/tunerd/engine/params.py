@@ -50,11 +50,6 @@ class EngineParams(BaseModel):
                 argv += [flag, _format_value(value)]
         return argv
 
-    def diff(self, other: EngineParams) -> dict[str, tuple[Any, Any]]:
-        """Fields whose values differ: name -> (self's value, other's value)."""
-        mine, theirs = self.model_dump(), other.model_dump()
-        return {k: (mine[k], theirs[k]) for k in mine if mine[k] != theirs[k]}
-
 
 def _format_value(value: object) -> str:
     if isinstance(value, float):

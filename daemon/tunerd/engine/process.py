@@ -51,7 +51,6 @@ class EngineRun:
     health_failures: int = 0
     base_url: str = ""  # where this run's vLLM listens (set by the supervisor at spawn)
     predicted_kv_tokens: int | None = None  # the planner's prediction for this start
-    lines_seen: int = 0
     tail: list[str] = field(default_factory=list)
 
     @property
@@ -208,7 +207,6 @@ class Engine:
         lines = run.follower.read_rest() if final else run.follower.read_lines()
         events: list[LogEvent] = []
         for line in lines:
-            run.lines_seen += 1
             event = classify_line(line)
             if event is None:
                 continue

@@ -29,9 +29,6 @@ TRANSITIONS: dict[EngineState, frozenset[EngineState]] = {
     EngineState.FATAL: frozenset({EngineState.STOPPED, EngineState.STARTING}),
 }
 
-# A child process exists in these states.
-PROCESS_STATES = frozenset({EngineState.STARTING, EngineState.RUNNING, EngineState.STOPPING})
-
 
 class InvalidTransition(RuntimeError):
     """Raised when code asks for a transition the table above does not allow (a bug, not a fault)."""

@@ -41,7 +41,6 @@ __all__ = [
     "read_engine_usage",
     "read_meminfo",
     "read_memory_pressure",
-    "read_numa_node_meminfo",
     "read_pci_numa_node",
     "read_vmstat",
 ]
@@ -100,15 +99,6 @@ def read_meminfo(proc: str = "/proc") -> dict[str, int]:
     """Return `<proc>/meminfo` as {key: value}; values with a `kB` unit are converted to bytes, the
     others (HugePages_* counts) are kept as they are. Raises OSError if the file can't be read."""
     return _parse_kb_lines(_read_text(f"{proc}/meminfo").splitlines())
-
-
-def read_numa_node_meminfo(node: int, sys: str = "/sys") -> dict[str, int]:
-    """Return `<sys>/devices/system/node/node<node>/meminfo` as {key: bytes}, the `Node N ` prefix
-    stripped (`Node 0 MemTotal: 8611612 kB` → `{"MemTotal": 8818290688}`). Raises OSError if the file
-    can't be read (no such node, or no NUMA support)."""
-    text = _read_text(f"{sys}/devices/system/node/node{node}/meminfo")
-    # "Node 0 MemTotal:  8611612 kB": drop the first two words.
-    return _parse_kb_lines(line.split(None, 2)[-1] for line in text.splitlines() if line.strip())
 
 
 def read_vmstat(proc: str = "/proc", keys: Iterable[str] | None = None) -> dict[str, int]:
@@ -359,9 +349,8 @@ def _diff(a: int | None, b: int | None) -> int | None:
 
 
 class HostCollector:
-    """Takes `HostSample`s from a procfs tree (`proc`, default "/proc"); `sys` is kept for NUMA
-    readers (`numa_node_meminfo`). `clock` stamps `taken_at` (monotonic seconds; tests pass a fake);
-    `page_size` converts `statm` pages to bytes.
+    """Takes `HostSample`s from a procfs tree (`proc`, default "/proc"). `clock` stamps `taken_at`
+    (monotonic seconds; tests pass a fake); `page_size` converts `statm` pages to bytes.
 
     Keeps the files it samples open between samples (`procfs.ProcFiles`): those of pids no longer
     asked for are closed at the next sample, all of them by `close()` or when the collector is
@@ -371,20 +360,14 @@ class HostCollector:
     def __init__(
         self,
         proc: str = "/proc",
-        sys: str = "/sys",
         clock: Callable[[], float] = time.monotonic,
         page_size: int = PAGE_SIZE,
     ) -> None:
         self.proc = proc
-        self.sys = sys
         self.page_size = page_size
         self._clock = clock
         self._files = ProcFiles(proc)
         self._pids: tuple[int, ...] = ()
-
-    def numa_node_meminfo(self, node: int) -> dict[str, int]:
-        """`read_numa_node_meminfo(node, self.sys)`; raises OSError if the node has no meminfo."""
-        return read_numa_node_meminfo(node, self.sys)
 
     def sample(self, engine_pids: Iterable[int] = ()) -> HostSample:
         """Read one sample; `engine_pids` are the engine's processes (see procfs.pids_in_group).

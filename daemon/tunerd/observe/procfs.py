@@ -238,13 +238,14 @@ def process_tree_pids(root_pid: int, proc: str = "/proc") -> list[int]:
     return result
 
 
-def pids_in_group(pgid: int, proc: str = "/proc") -> list[int]:
+def pids_in_group(pgid: int, proc: str = "/proc", *, include_zombies: bool = True) -> list[int]:
     """Return the pids whose process group is `pgid`, ascending ([] if none).
 
     vLLM's API server, engine core and workers share the group the supervisor created with
-    `start_new_session=True`, so this finds them even after one was re-parented.
+    `start_new_session=True`, so this finds them even after one was re-parented. A zombie is dead (it
+    holds no memory, port or GPU): `include_zombies=False` leaves them out.
     """
-    return [st.pid for st in _all_stats(proc) if st.pgrp == pgid]
+    return [st.pid for st in _all_stats(proc) if st.pgrp == pgid and (include_zombies or st.state != "Z")]
 
 
 def pids_with_env(key: str, value: str, proc: str = "/proc") -> list[int]:
