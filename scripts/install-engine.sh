@@ -11,8 +11,11 @@
 # Safe to run again: pip only changes what is missing or different.
 set -euo pipefail
 
-usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
-[ $# -ge 1 ] || usage
+usage() { sed -n '2,/^set /p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
+case "${1:-}" in
+  -h|--help) usage 0 ;;
+  ""|-*) usage 2 ;;  # the first argument is the venv's path
+esac
 venv=$1; shift
 kind=auto
 editable=0
@@ -22,7 +25,7 @@ while [ $# -gt 0 ]; do
     auto|gpu|cpu|none) kind=$1 ;;
     --editable) editable=1 ;;
     --extras) extras+=("$2"); shift ;;
-    -h|--help) usage ;;
+    -h|--help) usage 0 ;;
     *) echo "install-engine.sh: unknown argument: $1" >&2; usage ;;
   esac
   shift

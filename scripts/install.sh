@@ -7,9 +7,10 @@
 #   --prefix  where the virtual environment goes (PREFIX/venv)
 #   --root    install into DIR as if it were / (for packaging and tests): no systemctl calls
 #
-# What it does: a venv under PREFIX with tunerd and vLLM; a system user `tunerd`; /etc/tunerd/* from
-# etc/tunerd/ (an existing file is never overwritten: a differing new version goes beside it as
-# FILE.dist); /etc/systemd/system/tunerd.service, checked with `systemd-analyze verify`, then enabled.
+# What it does: a venv under PREFIX with tunerd and vLLM (`tunerd` linked into /usr/local/bin); a
+# system user `tunerd`; /etc/tunerd/* from etc/tunerd/ (an existing file is never overwritten: a
+# differing new version goes beside it as FILE.dist); /etc/systemd/system/tunerd.service, checked
+# with `systemd-analyze verify`, then enabled.
 set -euo pipefail
 
 engine=auto
@@ -20,7 +21,7 @@ while [ $# -gt 0 ]; do
     --engine) engine=$2; shift ;;
     --prefix) prefix=$2; shift ;;
     --root) root=$(cd "$2" && pwd); shift ;;
-    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,/^set /p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "install.sh: unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -37,6 +38,9 @@ fi
 venv="$root$prefix/venv"
 "$repo/scripts/install-engine.sh" "$venv" "$engine"
 install -D -m 0644 "$repo/README.md" "$root$prefix/README.md"
+# The operator's commands (tunerd status, journal, plan …) on the PATH.
+install -d "$root/usr/local/bin"
+ln -sfn "$prefix/venv/bin/tunerd" "$root/usr/local/bin/tunerd"
 
 # 2. An unprivileged system user; GPU device groups where the distribution has them.
 if [ -z "$root" ] || [ -f "$root/etc/passwd" ]; then
@@ -104,6 +108,6 @@ fi
 cat <<EOF
 ==> done. Next:
     1. set engine.model (and [engine.params]) in /etc/tunerd/tunerd.toml
-    2. tunerd check-config /etc/tunerd/tunerd.toml      ($prefix/venv/bin/tunerd)
-    3. systemctl start tunerd; journalctl -u tunerd -f; $prefix/venv/bin/tunerd journal -f
+    2. tunerd check-config /etc/tunerd/tunerd.toml; tunerd plan   (tunerd: /usr/local/bin -> $prefix/venv/bin)
+    3. systemctl start tunerd; journalctl -u tunerd -f; tunerd journal -f
 EOF

@@ -71,6 +71,7 @@ def test_install_twice_into_a_staging_root_keeps_the_operators_config(tmp_path: 
     assert config.read_text() == (REPO / "etc" / "tunerd" / "tunerd.toml").read_text()
     assert (root / "etc" / "systemd" / "system" / "tunerd.service").exists()
     assert (root / "opt" / "tunerd" / "venv" / "bin" / "tunerd").exists()
+    assert (root / "usr" / "local" / "bin" / "tunerd").readlink() == Path("/opt/tunerd/venv/bin/tunerd")
     [user] = tunerd_users(root)
     assert user.endswith(":tunerd vLLM supervisor:/var/lib/tunerd:/usr/sbin/nologin")
     assert "video:x:44:tunerd" in (root / "etc" / "group").read_text()
