@@ -58,7 +58,6 @@ class Lifecycle:
     ) -> None:
         self._config = config
         self.capacity = Capacity(config)
-        self.os = oscalls
         self.rec = recorder
         self.store = store
         self.dstate = dstate
@@ -66,7 +65,6 @@ class Lifecycle:
         self.on_status_change = on_status_change
         self.background = background
         self.monotonic = monotonic
-        self.wallclock = wallclock
         self.engine = Engine(
             oscalls=oscalls,
             marker=dstate.instance_id,

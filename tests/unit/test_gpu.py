@@ -14,6 +14,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from tunerd.observe.gpu import GpuCollector
+from tunerd.observe.procfs import PAGE_SIZE
 
 MIB = 1024 * 1024
 KIB = 1024
@@ -147,7 +148,7 @@ def fake_host(tmp_path: Path) -> tuple[Path, Path]:
     for pid, ppid, rss_kb in ((3000, 1, 1275256), (3001, 3000, 9437184)):
         (proc / str(pid)).mkdir()
         (proc / str(pid) / "stat").write_text(f"{pid} (python) S {ppid} 3000 3000 0 -1 0 10 0 1 0 1 1\n")
-        (proc / str(pid) / "status").write_text(f"Name:\tpython\nVmRSS:\t{rss_kb} kB\n")
+        (proc / str(pid) / "statm").write_text(f"99999 {rss_kb * 1024 // PAGE_SIZE} 0 0 0 0 0\n")
     sysfs = tmp_path / "sys"
     for name, node in (("0000:00:06.0", "-1"), ("000f:01:00.0", "0")):
         d = sysfs / "bus" / "pci" / "devices" / name

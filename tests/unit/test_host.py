@@ -17,7 +17,6 @@ from tunerd.observe.host import (
     read_meminfo,
     read_memory_pressure,
     read_pci_numa_node,
-    read_vmstat,
 )
 from tunerd.observe.procfs import ProcFiles
 
@@ -241,12 +240,6 @@ def test_read_meminfo_converts_kb_and_keeps_counts(tmp_path: Path) -> None:
     assert mem["MemTotal"] == 127600748 * KIB
     assert mem["Hugepagesize"] == 2048 * KIB
     assert mem["HugePages_Total"] == 0
-
-
-def test_read_vmstat_all_or_selected(tmp_path: Path) -> None:
-    (tmp_path / "vmstat").write_text(VMSTAT)
-    assert read_vmstat(str(tmp_path))["workingset_nodes"] == -3
-    assert read_vmstat(str(tmp_path), ["pgfault", "pswpin", "absent"]) == {"pgfault": 987654321, "pswpin": 17}
 
 
 def test_pci_numa_node_from_sysfs(tmp_path: Path) -> None:

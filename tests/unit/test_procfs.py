@@ -16,12 +16,11 @@ from tunerd.observe.procfs import (
     ProcFiles,
     list_pids,
     parse_stat_faults,
+    parse_statm_rss_bytes,
     pids_in_group,
     pids_with_env,
     process_tree_pids,
     read_stat,
-    read_statm_rss_bytes,
-    read_status_rss_bytes,
 )
 
 
@@ -108,7 +107,6 @@ def test_pid_vanishing_between_listing_and_reading_is_skipped(vllm_tree: Path) -
         (vllm_tree / "13217" / name).unlink()
     assert 13217 in list_pids(str(vllm_tree))
     assert read_stat(13217, str(vllm_tree)) is None
-    assert read_status_rss_bytes(13217, str(vllm_tree)) is None
     assert process_tree_pids(13105, str(vllm_tree)) == [13105, 13218, 13337]
     assert pids_in_group(13105, str(vllm_tree)) == [13105, 13218, 13337]
     assert pids_with_env("TUNERD_ENGINE_ID", "run-1", str(vllm_tree)) == [13105, 13218, 13337]
@@ -120,19 +118,11 @@ def test_read_stat_parses_comm_with_spaces_and_parentheses(vllm_tree: Path) -> N
     assert (st.comm, st.state, st.ppid, st.pgrp) == ("x) (y", "S", 1, 20000)
 
 
-def test_read_stat_and_rss_fields(tmp_path: Path) -> None:
-    write_proc_pid(
-        tmp_path, 5, comm="VLLM::EngineCore", ppid=2, pgrp=3, minflt=123, majflt=45, rss_kb=2428392
-    )
+def test_read_stat_fields(tmp_path: Path) -> None:
+    write_proc_pid(tmp_path, 5, comm="VLLM::EngineCore", ppid=2, pgrp=3, minflt=123, majflt=45)
     st = read_stat(5, str(tmp_path))
     assert st is not None
     assert (st.pid, st.comm, st.ppid, st.pgrp, st.minflt, st.majflt) == (5, "VLLM::EngineCore", 2, 3, 123, 45)
-    assert read_status_rss_bytes(5, str(tmp_path)) == 2428392 * 1024
-
-
-def test_zombie_without_vmrss_has_no_rss(tmp_path: Path) -> None:
-    write_proc_pid(tmp_path, 6, rss_kb=None)
-    assert read_status_rss_bytes(6, str(tmp_path)) is None
 
 
 def test_missing_proc_root_lists_nothing(tmp_path: Path) -> None:
@@ -166,7 +156,7 @@ def test_real_child_tree_is_found_by_tree_group_and_marker() -> None:
         assert pids_with_env("TUNERD_TEST_MARKER", marker) == expected
         st = read_stat(grandchild)
         assert st is not None and st.ppid == child.pid and st.pgrp == child.pid
-        rss = read_status_rss_bytes(child.pid)
+        rss = parse_statm_rss_bytes(Path(f"/proc/{child.pid}/statm").read_bytes())
         assert rss is not None and rss > 1_000_000
     finally:
         os.killpg(child.pid, signal.SIGKILL)  # the group we created: child and grandchild only
@@ -178,14 +168,10 @@ def test_real_child_tree_is_found_by_tree_group_and_marker() -> None:
     assert pids_with_env("TUNERD_TEST_MARKER", marker) == []
 
 
-def test_statm_rss_in_pages_and_zombie_zero(tmp_path: Path) -> None:
-    (tmp_path / "7").mkdir()
-    (tmp_path / "7" / "statm").write_text("5000 250 100 10 0 900 0\n")
-    assert read_statm_rss_bytes(7, str(tmp_path), page_size=4096) == 250 * 4096
-    (tmp_path / "8").mkdir()
-    (tmp_path / "8" / "statm").write_text("0 0 0 0 0 0 0\n")  # a zombie: no memory map left
-    assert read_statm_rss_bytes(8, str(tmp_path)) == 0
-    assert read_statm_rss_bytes(9, str(tmp_path)) is None  # no such process
+def test_statm_rss_in_pages_and_zombie_zero() -> None:
+    assert parse_statm_rss_bytes(b"5000 250 100 10 0 900 0\n", page_size=4096) == 250 * 4096
+    assert parse_statm_rss_bytes(b"0 0 0 0 0 0 0\n") == 0  # a zombie: no memory map left
+    assert parse_statm_rss_bytes(b"garbage") is None
     assert parse_stat_faults(b"5 (a) b) c) S 1 5 5 0 -1 0 123 7 45 3 0 0\n") == (123, 45)
     assert parse_stat_faults(b"garbage") is None
 
@@ -195,7 +181,10 @@ def test_statm_rss_is_the_vmrss_of_status() -> None:
     # The same mm counters (file + anon + shmem pages): statm is only cheaper to read. Retry a few
     # times in case the process touched a page between the two reads.
     for _ in range(20):
-        if read_statm_rss_bytes(os.getpid()) == read_status_rss_bytes(os.getpid()):
+        statm = parse_statm_rss_bytes(Path("/proc/self/statm").read_bytes())
+        status = Path("/proc/self/status").read_text()
+        vmrss_kb = int(status.split("\nVmRSS:", 1)[1].split()[0])
+        if statm == vmrss_kb * 1024:
             return
     pytest.fail("statm's resident pages never matched status' VmRSS")
 

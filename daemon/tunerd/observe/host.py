@@ -27,8 +27,6 @@ from tunerd.observe.procfs import (
     ProcFiles,
     parse_stat_faults,
     parse_statm_rss_bytes,
-    read_stat,
-    read_status_rss_bytes,
 )
 
 __all__ = [
@@ -42,10 +40,8 @@ __all__ = [
     "read_meminfo",
     "read_memory_pressure",
     "read_pci_numa_node",
-    "read_vmstat",
 ]
 
-_VMSTAT_KEYS = frozenset({"pswpin", "pswpout", "pgfault", "pgmajfault"})
 # The figures a sample uses, found by one regex search over the file (a "\n" is put in front so that
 # the first line is found too): ~4 µs for meminfo where splitting all its ~55 lines costs ~25 µs.
 _MEMINFO_RE = re.compile(
@@ -99,33 +95,6 @@ def read_meminfo(proc: str = "/proc") -> dict[str, int]:
     """Return `<proc>/meminfo` as {key: value}; values with a `kB` unit are converted to bytes, the
     others (HugePages_* counts) are kept as they are. Raises OSError if the file can't be read."""
     return _parse_kb_lines(_read_text(f"{proc}/meminfo").splitlines())
-
-
-def read_vmstat(proc: str = "/proc", keys: Iterable[str] | None = None) -> dict[str, int]:
-    """Return `<proc>/vmstat` counters as {name: value}: all of them, or only those of `keys` that the
-    kernel has. Raises OSError if the file can't be read."""
-    text = _read_text(f"{proc}/vmstat")
-    out: dict[str, int] = {}
-    if keys is None:
-        for line in text.splitlines():
-            name, _, value = line.partition(" ")
-            try:
-                out[name] = int(value)
-            except ValueError:
-                continue
-        return out
-    # ~180 lines, we want 4: find them instead of splitting every line (halves the cost).
-    text = "\n" + text
-    for key in keys:
-        start = text.find(f"\n{key} ")
-        if start < 0:
-            continue
-        start += len(key) + 2
-        end = text.find("\n", start)
-        value = text[start : end if end >= 0 else None].strip()
-        if value.isdigit():
-            out[key] = int(value)
-    return out
 
 
 def pci_sysfs_name(bus_id: str) -> str | None:
@@ -237,30 +206,13 @@ class EngineUsage:
 
 
 def read_engine_usage(pids: Iterable[int], proc: str = "/proc") -> EngineUsage | None:
-    """Read `stat` and `status` of each pid and sum faults and VmRSS; skip pids that vanished.
+    """Read `stat` and `statm` of each pid and sum faults and RSS; skip pids that vanished.
 
-    Returns None if no pid was given or none could be read (the engine is not running). A process
-    without VmRSS (a zombie) counts its faults and zero RSS. (`HostCollector.sample` gets the same
-    figures from `stat` and `statm` through kept-open files; this one opens files by path, for
-    occasional callers such as the GPU sampler on unified memory.)
+    Returns None if no pid was given or none could be read (the engine is not running). A zombie counts
+    its faults and zero RSS. The same figures `HostCollector.sample` gets through kept-open files; this
+    one opens files by path, for occasional callers such as the GPU sampler on unified memory.
     """
-    read: list[tuple[int, int, int]] = []
-    rss = 0
-    for pid in dict.fromkeys(pids):  # keeps order, drops duplicates
-        st = read_stat(pid, proc)
-        if st is None:
-            continue
-        read.append((pid, st.minflt, st.majflt))
-        rss += read_status_rss_bytes(pid, proc) or 0
-    if not read:
-        return None
-    return EngineUsage(
-        pids=tuple(pid for pid, _, _ in read),
-        minflt_total=sum(minor for _, minor, _ in read),
-        majflt_total=sum(major for _, _, major in read),
-        rss_bytes=rss,
-        faults_by_pid=tuple(read),
-    )
+    return _engine_usage(pids, lambda name: _read_bytes(f"{proc}/{name}"), PAGE_SIZE)
 
 
 def _engine_usage(pids: Iterable[int], read: Callable[[str], bytes], page_size: int) -> EngineUsage | None:

@@ -75,49 +75,6 @@ def read_stat(pid: int, proc: str = "/proc") -> ProcStat | None:
         return None
 
 
-def read_status_rss_bytes(pid: int, proc: str = "/proc") -> int | None:
-    """Return `VmRSS` from `<proc>/<pid>/status` in bytes.
-
-    None if the process vanished or is unreadable, or has no VmRSS line (kernel threads and zombies
-    have none).
-    """
-    try:
-        with open(f"{proc}/{pid}/status", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    start = raw.find(b"\nVmRSS:")
-    if start < 0:
-        return None
-    end = raw.find(b"\n", start + 1)
-    fields = raw[start + 7 : end if end > 0 else None].split()
-    try:
-        value = int(fields[0])
-    except (IndexError, ValueError):
-        return None
-    return value * 1024 if len(fields) > 1 and fields[1] == b"kB" else value
-
-
-def read_statm_rss_bytes(pid: int, proc: str = "/proc", page_size: int = PAGE_SIZE) -> int | None:
-    """Return the resident set size from `<proc>/<pid>/statm` (second field, in pages) in bytes: the
-    same figure as `VmRSS` in `status` (both are the mm's file + anon + shmem RSS counters), from a file
-    the kernel writes in a fraction of the time (`status` prints ~55 fields; bench/poll_cost.py).
-
-    None if the process vanished or is unreadable, or the file is malformed. A zombie has no memory
-    map left and reads 0.
-    """
-    try:
-        fd = os.open(f"{proc}/{pid}/statm", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        return parse_statm_rss_bytes(os.read(fd, _READ_SIZE), page_size)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-
-
 def parse_statm_rss_bytes(raw: bytes, page_size: int = PAGE_SIZE) -> int | None:
     """The RSS in bytes from the content of a `statm` file; None if it is malformed."""
     fields = raw.split(None, 2)

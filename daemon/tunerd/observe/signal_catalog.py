@@ -93,7 +93,7 @@ SIGNAL_TABLE: tuple[tuple[str, str, str, object, str, str], ...] = (
     ("engine.major_fault_rate", "1/s", "rate", "engine.majflt_total",
      "engine.majflt_total (/proc/<pid>/stat, engine process tree)",
      "major faults per second in the engine processes"),
-    ("engine.rss_bytes", "bytes", "last", "engine.rss_bytes", "/proc/<pid>/status VmRSS, engine tree",
+    ("engine.rss_bytes", "bytes", "last", "engine.rss_bytes", "/proc/<pid>/statm (= VmRSS), engine tree",
      "resident memory of the engine processes"),
     ("gpu.mem_used_bytes", "bytes", "last", "gpu.mem_used_bytes", "NVML", "in use (host figure on GB10)"),
     ("gpu.mem_used_ratio", "ratio 0..1", "last", "gpu.mem_used_ratio",

@@ -326,12 +326,6 @@ class SignalWindow:
         self._deltas[name] = delta
         return delta
 
-    def quantile(self, name: str, q: float) -> float | None:
-        """q-quantile of a histogram input's observations in the window (None without any)."""
-        delta = self._bucket_increase(name)
-        les = self._hists[name].les if delta is not None else None
-        return None if les is None else histogram_quantile(q, les, delta[1])  # type: ignore[index]
-
     def signals(self) -> Mapping[str, float | None]:
         """Every signal of `SIGNALS` by name, None where unknown; cached until the next `add`."""
         if self._cache is not None:
