@@ -28,7 +28,7 @@ from tunerd.recorder import Recorder
 class RunGuards:
     def __init__(self, recorder: Recorder) -> None:
         self.rec = recorder
-        self.gpu = GpuFacts()
+        self.gpu: GpuFacts | None = None  # None until the first poll
         self.progress = Progress()
 
     def new_run(self) -> None:
@@ -57,11 +57,11 @@ class RunGuards:
         """Keep what the preflight of the next start wants to know about the GPU."""
         gpu = sample.gpu
         if not gpu.available:
+            self.gpu = GpuFacts()
             return
         frees = [d.mem_free_bytes for d in gpu.devices]
         free = sum(f for f in frees if f is not None) if all(f is not None for f in frees) else None
-        processes = tuple((p.pid, p.used_bytes) for d in gpu.devices for p in (d.processes or ()))
-        self.gpu = GpuFacts(gpu.unified_memory, free, processes)
+        self.gpu = GpuFacts(gpu.unified_memory, free)
 
     def check_progress(
         self, sample: PollSample, guard: GuardConfig, pid: int, now: float

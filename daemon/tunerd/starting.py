@@ -65,7 +65,7 @@ class Starter:
         dstate: DaemonState,
         save_state: Callable[[], None],
         capacity: Capacity,
-        gpu: Callable[[], GpuFacts],
+        gpu: Callable[[], GpuFacts | None],
         wallclock: Callable[[], datetime],
     ) -> None:
         self.config = config

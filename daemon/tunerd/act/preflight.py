@@ -5,7 +5,8 @@ In order, each may hold the start back (non-blocking: `step(now)` is called ever
    reaped (act/leftovers.py); a vLLM this tunerd did not start is only reported;
 2. the port is free (a holder is named);
 3. the memory-return gate: free memory back within tolerance of the baseline taken before the
-   first start (MemAvailable, and the GPU's free memory where NVML reports it);
+   first start (MemAvailable, and the GPU's free memory where NVML reports it: so the gate waits for
+   the first poll);
 4. page cache: on unified memory, a large one is dropped when the config allows, else advised;
 5. the capacity planner's verdict on the parameters (a refusal is final for these parameters).
 A start held back longer than `max_wait_s` fails with the last reason, so the crash-loop breaker
@@ -38,11 +39,10 @@ from tunerd.observe.procfs import list_pids, read_stat
 
 @dataclass(frozen=True)
 class GpuFacts:
-    """What the last poll saw of the GPU (None: no GPU or not known yet)."""
+    """What the last poll saw of the GPU (fields None: no GPU, or NVML does not say)."""
 
     unified_memory: bool | None = None
     free_bytes: int | None = None
-    processes: tuple[tuple[int, int | None], ...] = ()  # (pid, used bytes) of every GPU process
 
 
 @dataclass
@@ -130,7 +130,7 @@ class Preflight:
         marker: str,
         reaper: LeftoverReaper,
         gate: MemoryGate | None,
-        gpu: Callable[[], GpuFacts],
+        gpu: Callable[[], GpuFacts | None],
         plan_check: PlanCheck | None,
         started: float,
     ) -> None:
@@ -205,8 +205,11 @@ class Preflight:
         return self._wait("port", f"port {engine.port} is held by {holder}", records)
 
     def _memory(self, now: float, records: list[dict[str, Any]]) -> PreflightStep | None:
-        reading = read_memory(self.config.observe.memory_proc)
         gpu = self.gpu()
+        if gpu is None:
+            # The baseline and the gate need the GPU's free memory too, which only a poll knows.
+            return self._wait("memory", "waiting for the first reading of GPU memory", records)
+        reading = read_memory(self.config.observe.memory_proc)
         if self.gate is None:
             if reading.mem_available_bytes is None:
                 return None
@@ -228,7 +231,8 @@ class Preflight:
         return None if back else self._wait("memory", f"memory not returned yet: {why}", records)
 
     def _page_cache(self, now: float, records: list[dict[str, Any]]) -> PreflightStep | None:
-        if not self.gpu().unified_memory:
+        gpu = self.gpu()
+        if gpu is None or not gpu.unified_memory:
             return None
         try:
             info = read_meminfo(self.config.observe.memory_proc)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import queue
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -87,7 +88,16 @@ class ObserveJobs:
             (self.memory.tick, self._guard_interval_s, "memory-guard"),
         ):
             # One instance at a time; a late run is skipped, not queued (a slow scrape never piles up).
-            self._scheduler.add_job(job, "interval", seconds=seconds, max_instances=1, coalesce=True, id=name)
+            # The first run is now, not an interval later: the first start's preflight waits for a poll.
+            self._scheduler.add_job(
+                job,
+                "interval",
+                seconds=seconds,
+                max_instances=1,
+                coalesce=True,
+                id=name,
+                next_run_time=datetime.now(UTC),
+            )
         self._scheduler.start()
 
     def run_once(self, job: Callable[[], Any]) -> None:
