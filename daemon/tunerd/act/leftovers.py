@@ -48,7 +48,7 @@ class LeftoverReaper:
         if self._since is None:
             if not pids:
                 return StepResult(True)
-            self._found = {pid: _describe(pid, self.os.proc) for pid in pids}
+            self._found = {pid: procfs.read_comm(pid, self.os.proc) for pid in pids}
             self._since = now
             for pid in pids:
                 self.os.signal_pid(pid, SIGTERM)
@@ -77,8 +77,3 @@ class LeftoverReaper:
         self._found = None
         self._since = None
         self._killed = False
-
-
-def _describe(pid: int, proc: str) -> str:
-    stat = procfs.read_stat(pid, proc)
-    return stat.comm if stat else "?"

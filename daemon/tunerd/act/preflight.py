@@ -34,7 +34,7 @@ from tunerd.engine.params import EngineParams
 from tunerd.engine.process import MARKER_ENV
 from tunerd.observe.host import read_meminfo
 from tunerd.observe.memory import read_memory
-from tunerd.observe.procfs import list_pids, read_stat
+from tunerd.observe.procfs import list_pids, read_comm, read_stat
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ def port_holder(host: str, port: int) -> str | None:
     with contextlib.suppress(psutil.Error, OSError):
         for conn in psutil.net_connections(kind="tcp"):
             if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN and conn.pid:
-                return f"pid {conn.pid} ({_comm(conn.pid)})"
+                return f"pid {conn.pid} ({read_comm(conn.pid)})"
     return "another process"
 
 
@@ -111,11 +111,6 @@ def drop_page_cache() -> str | None:
     except OSError as exc:
         return exc.strerror or str(exc)
     return None
-
-
-def _comm(pid: int) -> str:
-    stat = read_stat(pid)
-    return stat.comm if stat else "?"
 
 
 class Preflight:

@@ -75,6 +75,12 @@ def read_stat(pid: int, proc: str = "/proc") -> ProcStat | None:
         return None
 
 
+def read_comm(pid: int, proc: str = "/proc") -> str:
+    """The command name of `pid` (from its `stat`), "?" when it vanished or can't be read."""
+    stat = read_stat(pid, proc)
+    return stat.comm if stat else "?"
+
+
 def parse_statm_rss_bytes(raw: bytes, page_size: int = PAGE_SIZE) -> int | None:
     """The RSS in bytes from the content of a `statm` file; None if it is malformed."""
     fields = raw.split(None, 2)
