@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from tunerd.decide.memory_facts import parse_meminfo
 from tunerd.observe.procfs import (
     PAGE_SIZE,
     ProcFiles,
@@ -74,27 +75,10 @@ def _read_text(path: str) -> str:
     return _read_bytes(path).decode("ascii", "replace")
 
 
-def _parse_kb_lines(lines: Iterable[str]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for line in lines:
-        key, sep, rest = line.partition(":")
-        if not sep:
-            continue
-        parts = rest.split()
-        if not parts:
-            continue
-        try:
-            value = int(parts[0])
-        except ValueError:
-            continue
-        out[key.strip()] = value * 1024 if len(parts) > 1 and parts[1] == "kB" else value
-    return out
-
-
 def read_meminfo(proc: str = "/proc") -> dict[str, int]:
     """Return `<proc>/meminfo` as {key: value}; values with a `kB` unit are converted to bytes, the
     others (HugePages_* counts) are kept as they are. Raises OSError if the file can't be read."""
-    return _parse_kb_lines(_read_text(f"{proc}/meminfo").splitlines())
+    return parse_meminfo(_read_text(f"{proc}/meminfo"))
 
 
 def pci_sysfs_name(bus_id: str) -> str | None:
