@@ -14,6 +14,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from tunerd.observe.gpu import GpuCollector
+from tunerd.observe.host import HostCollector
 from tunerd.observe.procfs import PAGE_SIZE
 
 MIB = 1024 * 1024
@@ -226,6 +227,23 @@ def test_gb10_takes_memory_from_the_host_instead_of_failing(tmp_path: Path) -> N
     assert r["gpu.engine_mem_bytes"] == 37 * 1024 * MIB
     assert r["gpu.pcie_tx_bytes_per_s"] is None
     assert gpu.info().devices[0].unified_memory
+
+
+def test_gb10_falls_back_to_rss_where_nvml_lists_none_of_the_engine(tmp_path: Path) -> None:
+    proc, sysfs = fake_host(tmp_path)
+    gb10 = FakeDevice(**{**GB10, "processes": [(9999, 5 * MIB)]})  # another program; the engine not yet
+    d = GpuCollector(FakeNvml([gb10]), proc=str(proc), sys=str(sysfs)).sample([3000, 3001]).devices[0]
+    assert d.engine_nvml_mem_bytes == 0
+    assert d.engine_mem_bytes == (1275256 + 9437184) * KIB  # the engine tree's RSS
+
+
+def test_gb10_uses_the_polls_host_sample_instead_of_reading_proc_again(tmp_path: Path) -> None:
+    host = HostCollector(proc=str(fake_host(tmp_path)[0]), page_size=PAGE_SIZE).sample([3000, 3001])
+    no_proc = str(tmp_path / "nothing")  # the collector has nothing to read: figures come from `host`
+    d = GpuCollector(FakeNvml([FakeDevice(**GB10)]), proc=no_proc).sample([3000, 3001], host).devices[0]
+    assert (d.mem_total_bytes, d.mem_free_bytes) == (127600748 * KIB, 118566368 * KIB)
+    d = GpuCollector(FakeNvml([FakeDevice(**{**GB10, "processes": []})]), proc=no_proc).sample([3001], host)
+    assert d.devices[0].engine_mem_bytes == host.engine.rss_bytes == (1275256 + 9437184) * KIB
 
 
 def test_unsupported_queries_are_not_asked_again(tmp_path: Path) -> None:

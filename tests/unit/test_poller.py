@@ -68,7 +68,7 @@ def vllm() -> Iterator[ThreadingHTTPServer]:
 
 
 class NoGpu:
-    def sample(self, pids: object = ()) -> GpuSample:
+    def sample(self, pids: object = (), host: object = None) -> GpuSample:
         return GpuSample(available=False, reason="test", taken_at=0.0)
 
 

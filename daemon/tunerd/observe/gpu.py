@@ -21,11 +21,11 @@ import contextlib
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import structlog
 
-from tunerd.observe.host import EngineUsage, read_engine_usage, read_meminfo, read_pci_numa_node
+from tunerd.observe.host import HostSample, read_engine_usage, read_meminfo, read_pci_numa_node
 
 log = structlog.get_logger(__name__)
 
@@ -135,6 +135,19 @@ def _combine(devs: tuple[GpuDeviceSample, ...], attr: str, *, host_once: bool) -
         host = [v for d, v in zip(devs, values, strict=True) if d.memory_source == "host"]
         values = [v for d, v in zip(devs, values, strict=True) if d.memory_source != "host"] + host[:1]
     return float(sum(values))
+
+
+class _HostMemory(NamedTuple):
+    """What a unified-memory device takes from the host: MemTotal, MemAvailable, the engine's RSS."""
+
+    total: int | None
+    available: int | None
+    engine_rss: int | None
+
+
+def _host_memory(host: HostSample) -> _HostMemory:
+    engine_rss = host.engine.rss_bytes if host.engine is not None else None
+    return _HostMemory(host.mem_total_bytes, host.mem_available_bytes, engine_rss)
 
 
 @dataclass(frozen=True)
@@ -368,28 +381,35 @@ class GpuCollector:
         self._ensure_started()
         return self._info
 
-    def sample(self, engine_pids: Iterable[int] = ()) -> GpuSample:
+    def sample(self, engine_pids: Iterable[int] = (), host: HostSample | None = None) -> GpuSample:
         """Sample every device; `engine_pids` are the engine's processes (host pid namespace, as NVML
-        reports them). Never raises: with no usable NVML it returns `available=False` at once."""
+        reports them). On unified memory the host's figures stand in for NVML's: taken from `host`, the
+        same moment's host sample of the same pids, when the caller has one, else read here. Never
+        raises: with no usable NVML it returns `available=False` at once."""
         taken_at = self._clock()
         try:
             if not self._ensure_started():
                 return GpuSample(available=False, reason=self._reason, taken_at=taken_at)
             pids = frozenset(engine_pids)
-            host_mem: dict[str, int] | None = None
-            engine: EngineUsage | None = None
+            host_mem: _HostMemory | None = None
             if any(d.unified for d in self._devices):
-                with contextlib.suppress(OSError):  # no /proc/meminfo: the mem_* fields stay None
-                    host_mem = read_meminfo(self.proc)
-                engine = read_engine_usage(pids, self.proc)
-            devices = tuple(self._sample_device(d, pids, host_mem, engine) for d in self._devices)
+                host_mem = _host_memory(host) if host is not None else self._read_host_memory(pids)
+            devices = tuple(self._sample_device(d, pids, host_mem) for d in self._devices)
             return GpuSample(available=True, reason=None, taken_at=taken_at, devices=devices)
         except Exception as exc:  # the daemon must outlive any NVML surprise
             self._log_once(("sample", repr(exc)), "gpu.sample_failed", error=repr(exc))
             return GpuSample(available=False, reason=f"sample failed: {exc!r}", taken_at=taken_at)
 
+    def _read_host_memory(self, pids: frozenset[int]) -> _HostMemory:
+        total = available = None
+        with contextlib.suppress(OSError):  # no /proc/meminfo: the mem_* fields stay None
+            info = read_meminfo(self.proc)
+            total, available = info.get("MemTotal"), info.get("MemAvailable")
+        engine = read_engine_usage(pids, self.proc)
+        return _HostMemory(total, available, engine.rss_bytes if engine is not None else None)
+
     def _sample_device(
-        self, dev: _Device, pids: frozenset[int], host_mem: dict[str, int] | None, engine: EngineUsage | None
+        self, dev: _Device, pids: frozenset[int], host_mem: _HostMemory | None
     ) -> GpuDeviceSample:
         self._errors = []
         h, nvml = dev.handle, self._nvml
@@ -406,21 +426,24 @@ class GpuCollector:
 
         processes: tuple[GpuProcess, ...] | None = None
         engine_nvml: int | None = None
+        listed = False  # NVML lists at least one engine process
         if procs is not _MISSING:
             processes = tuple(GpuProcess(int(p.pid), p.usedGpuMemory) for p in procs)
             if pids:
-                engine_nvml = sum(p.used_bytes or 0 for p in processes if p.pid in pids)
+                ours = [p.used_bytes or 0 for p in processes if p.pid in pids]
+                engine_nvml, listed = sum(ours), bool(ours)
 
         total = used = free = None
         engine_mem = engine_nvml
         if dev.unified:
-            if host_mem is not None and "MemTotal" in host_mem and "MemAvailable" in host_mem:
-                total, free = host_mem["MemTotal"], host_mem["MemAvailable"]
+            if host_mem is not None and host_mem.total is not None and host_mem.available is not None:
+                total, free = host_mem.total, host_mem.available
                 used = total - free
             # NVML's per-process memory works on GB10 (vllm-facts.md) and counts what the driver takes
-            # from RAM outside the processes' RSS; RSS is the fallback where NVML lists nothing.
-            if engine_mem is None:
-                engine_mem = engine.rss_bytes if engine is not None else None
+            # from RAM outside the processes' RSS; RSS is the fallback where NVML lists none of them
+            # (before the engine touches the GPU, or pids from another namespace).
+            if not listed and pids:
+                engine_mem = host_mem.engine_rss if host_mem is not None else None
         elif mem is not _MISSING:
             total, used, free = int(mem.total), int(mem.used), int(mem.free)
 

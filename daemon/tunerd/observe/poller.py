@@ -111,7 +111,7 @@ class Poller:
         pids = self._engine_pids(target, now)
         result = self._scrape(target)
         host = self._sample_host(pids)
-        gpu = self.gpu.sample(pids)
+        gpu = self.gpu.sample(pids, host)
         readings: dict[str, float | None] = {**(host.as_readings() if host else {}), **gpu.as_readings()}
         if host is not None and host.engine is not None:
             minor, major = self._faults.update(host.engine.faults_by_pid)
