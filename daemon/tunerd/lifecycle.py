@@ -146,8 +146,7 @@ class Lifecycle:
         if isinstance(step, Refused):
             # No launch: the failure goes through the same policy as a crash.
             self.rec.outcome(pending.intent, "failed", failure=step.failure.as_dict())
-            self.restarts[str(step.failure.kind)] += 1
-            self.metrics.restarts.labels(reason=str(step.failure.kind)).inc()
+            self._count_failure(step.failure)
             self._decide_after_failure(step.failure, ran_for_s=None, now=now)
             return
         self.open_intent = pending.intent
@@ -330,13 +329,16 @@ class Lifecycle:
         if failure is None:
             self._close_intent("aborted", reason=run.stop_reason)
             return
-        self.restarts[str(failure.kind)] += 1
-        self.metrics.restarts.labels(reason=str(failure.kind)).inc()
+        self._count_failure(failure)
         self._close_intent("failed", failure=failure.as_dict(), tail=run.tail[-10:])
         if failure.kind in CALIBRATES:
             self._learn_from(run)  # vLLM's refusal says how much memory it found: calibrate from it too
         if not self.shutting_down:
             self._decide_after_failure(failure, ran_for_s=ran_for, now=now)
+
+    def _count_failure(self, failure: EngineFailure) -> None:
+        self.restarts[str(failure.kind)] += 1
+        self.metrics.restarts.labels(reason=str(failure.kind)).inc()
 
     def _decide_after_failure(self, failure: EngineFailure, ran_for_s: float | None, now: float) -> None:
         decision = decide_after_failure(

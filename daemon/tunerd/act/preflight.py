@@ -56,15 +56,19 @@ class PreflightStep:
 PlanCheck = Callable[[EngineParams], PlanOutcome]
 
 
-def port_holder(host: str, port: int) -> str | None:
-    """None when `host:port` can be bound (as uvicorn will); else who holds it, as far as we can see."""
+def port_is_free(host: str, port: int) -> bool:
+    """Whether `host:port` can be bound, as uvicorn will bind it."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            probe.bind((host if host not in ("", "0.0.0.0") else "0.0.0.0", port))
-            return None
+            probe.bind((host or "0.0.0.0", port))
+            return True
         except OSError:
-            pass
+            return False
+
+
+def port_holder(port: int) -> str:
+    """Who listens on TCP `port`, as far as we can see (psutil walks every process' sockets: slow)."""
     with contextlib.suppress(psutil.Error, OSError):
         for conn in psutil.net_connections(kind="tcp"):
             if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN and conn.pid:
@@ -141,6 +145,7 @@ class Preflight:
         self.timings: dict[str, float] = {}
         self._phase_started = started
         self._reported: set[str] = set()
+        self._port_holder: str | None = None
         self.baseline: MemoryGate | None = None  # set when this preflight took the first baseline
         self.plan: PlanOutcome | None = None  # the planner's verdict, once asked
 
@@ -194,10 +199,11 @@ class Preflight:
 
     def _port(self, now: float, records: list[dict[str, Any]]) -> PreflightStep | None:
         engine = self.config.engine
-        holder = port_holder(engine.host, engine.port)
-        if holder is None:
+        if port_is_free(engine.host, engine.port):
             return None
-        return self._wait("port", f"port {engine.port} is held by {holder}", records)
+        if self._port_holder is None:  # named once per start, not at every tick of the wait
+            self._port_holder = port_holder(engine.port)
+        return self._wait("port", f"port {engine.port} is held by {self._port_holder}", records)
 
     def _memory(self, now: float, records: list[dict[str, Any]]) -> PreflightStep | None:
         gpu = self.gpu()
