@@ -36,8 +36,8 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "daemon"))
 
-from tunerd.observe import procfs  # noqa: E402
 from tunerd.observe.gpu import GpuCollector  # noqa: E402
+from tunerd.procfs import processes as procfs  # noqa: E402
 
 SMI_QUERY = "memory.total,memory.used,memory.free,utilization.gpu,power.draw,pci.bus_id"
 

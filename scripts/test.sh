@@ -15,6 +15,9 @@ echo "==> ruff"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 
+echo "==> import contract (pyproject.toml [tool.importlinter])"
+.venv/bin/lint-imports --no-cache
+
 echo "==> pytest"
 export TUNERD_REQUIRE_ENGINE=1
 exec .venv/bin/pytest tests/unit tests/integration tests/engine "$@"

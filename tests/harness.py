@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from tunerd.observe import procfs
+from tunerd.procfs import processes as procfs
 
 REPO = Path(__file__).resolve().parents[1]
 FAKE_VLLM = REPO / "tests" / "fake_vllm" / "fake_vllm.py"

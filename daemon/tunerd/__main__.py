@@ -1,3 +1,3 @@
-from tunerd.cli import main
+from tunerd.cli.main import main
 
 raise SystemExit(main())

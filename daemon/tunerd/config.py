@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tunerd.engine.params import EngineParams
+from tunerd.core.params import EngineParams
 
 DEFAULT_CONFIG_PATH = "/etc/tunerd/tunerd.toml"
 CONFIG_ENV = "TUNERD_CONFIG"

@@ -2,7 +2,7 @@
 
 Signal handlers, the observation jobs and HTTP handlers only put events on `self.events` (a
 SimpleQueue, whose put is safe inside a signal handler). Everything that changes state happens here,
-in the loop's thread: the engine's lifecycle (lifecycle.py), the signal window, config reloads,
+in the loop's thread: the engine's lifecycle (control/lifecycle.py), the signal window, config reloads,
 shutdown, the status document, systemd notifications.
 """
 
@@ -20,27 +20,28 @@ from typing import Any
 import structlog
 
 from tunerd import __version__
-from tunerd.act.capacity import CalibrationDone
-from tunerd.act.identity import Capabilities, EngineIdentity, probe_capabilities
 from tunerd.config import Config, ConfigError, load_config
-from tunerd.decide.guards import MemoryReading
-from tunerd.durable import atomic_write
+from tunerd.control.capacity import CalibrationDone
+from tunerd.control.lifecycle import ACTIVE, Lifecycle
+from tunerd.core.machine import MemoryReading
+from tunerd.core.params import EngineParams
+from tunerd.core.states import EngineState
 from tunerd.engine.launch import build_env
 from tunerd.engine.oscalls import OsCalls
-from tunerd.engine.params import EngineParams
-from tunerd.engine.states import EngineState
-from tunerd.export import Exporter, Metrics
-from tunerd.journal import Journal, JournalError, utc_now
-from tunerd.lifecycle import ACTIVE, Lifecycle
-from tunerd.logs import configure_logging
+from tunerd.faces.http import Exporter
+from tunerd.faces.logs import configure_logging
+from tunerd.faces.status import DaemonFacts, build_status
+from tunerd.faces.systemd import Notifier
 from tunerd.observe.health import HealthResult
+from tunerd.observe.identity import Capabilities, EngineIdentity, probe_capabilities
 from tunerd.observe.jobs import ObserveJobs
 from tunerd.observe.poller import PollSample, PollTarget
 from tunerd.observe.signals import SIGNALS, SignalWindow
-from tunerd.recorder import Recorder
-from tunerd.state import StateStore
-from tunerd.status import build_status
-from tunerd.systemd import Notifier
+from tunerd.records.durable import atomic_write
+from tunerd.records.journal import Journal, JournalError, utc_now
+from tunerd.records.metrics import Metrics
+from tunerd.records.recorder import Recorder
+from tunerd.records.state import StateStore
 
 EX_OK = 0
 EX_CONFIG = 78  # sysexits.h: configuration error (RestartPreventExitStatus in the unit)
@@ -233,7 +234,7 @@ class Supervisor:
             self.exit_code = EX_OK
         self._publish_targets()
         if self.exporter is not None:
-            self.exporter.publish(build_status(self, now))
+            self.exporter.publish(self._status(now))
 
     def _on_poll(self, sample: PollSample, now: float) -> None:
         """Fold one observation into the signal window; a failed scrape is a missing sample, never 0."""
@@ -326,6 +327,25 @@ class Supervisor:
         assert self.lifecycle is not None
         self.lifecycle.shutdown()
 
+    def _status(self, now: float) -> dict[str, Any]:
+        assert self.lifecycle is not None
+        daemon = DaemonFacts(
+            pid=os.getpid(),
+            uptime_s=now - self.started_mono,
+            config=self.config_path,
+            journal=str(self.config.paths.journal_path),
+            journal_error=self.recorder.error,
+        )
+        return build_status(
+            daemon,
+            self.lifecycle,
+            self.params_in_force(),
+            self.signals,
+            SIGNAL_UNITS,
+            self.recorder.last_record,
+            now,
+        )
+
     def _status_line(self) -> str:
         return self.lifecycle.status_line() if self.lifecycle else "engine STOPPED"
 
@@ -333,7 +353,3 @@ class Supervisor:
         assert self.lifecycle is not None
         run = self.lifecycle.engine.run
         return run.params if run else self.lifecycle.params
-
-    @property
-    def pid(self) -> int:
-        return os.getpid()

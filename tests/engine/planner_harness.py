@@ -26,14 +26,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tunerd.decide.calibration import Calibration, calibrate, parse_calibration
-from tunerd.decide.memory_facts import MemoryFacts
-from tunerd.decide.model_info import ModelInfo
-from tunerd.decide.planner import PlanVerdict, assess
-from tunerd.engine.params import EngineParams
+from tunerd.core.machine import MemoryFacts
+from tunerd.core.model import ModelInfo
+from tunerd.core.params import EngineParams
 from tunerd.observe.machine_facts import read_cpu_node_memory
-from tunerd.observe.model_dir import load_model_info
-from tunerd.observe.procfs import pids_in_group
+from tunerd.observe.model.directory import load_model_info
+from tunerd.planner.calibration import Calibration, calibrate, parse_calibration
+from tunerd.planner.plan import PlanVerdict, assess
+from tunerd.procfs.processes import pids_in_group
 
 REPO = Path(__file__).resolve().parents[2]
 # The interpreter running this harness runs vLLM and make-tiny-model.py too (the repo venv: .venv).

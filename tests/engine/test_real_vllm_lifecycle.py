@@ -21,7 +21,7 @@ import pytest
 
 from tests.engine.conftest import real_sections
 from tests.harness import Daemon, alive
-from tunerd.observe import procfs
+from tunerd.procfs import processes as procfs
 
 pytestmark = pytest.mark.engine
 

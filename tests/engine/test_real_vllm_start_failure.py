@@ -16,7 +16,7 @@ import pytest
 
 from tests.engine.conftest import real_sections
 from tests.harness import running_daemon
-from tunerd.journal import parse_time
+from tunerd.records.journal import parse_time
 
 pytestmark = pytest.mark.engine
 

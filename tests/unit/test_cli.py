@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tunerd.cli import main, parse_assignment
+from tunerd.cli.main import main, parse_assignment
 
 SHIPPED = Path(__file__).resolve().parents[2] / "etc" / "tunerd" / "tunerd.toml"
 

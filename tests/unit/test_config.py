@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tunerd.config import Config, ConfigError, load_config, parse_config
-from tunerd.engine.params import EngineParams
+from tunerd.core.params import EngineParams
 
 MINIMAL = '[engine]\nmodel = "/models/qwen3-tiny"\n'
 

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from tunerd.engine.exits import ExitStatus
+from tunerd.core.exits import ExitStatus
 
 
 def exited(code: int) -> int:

@@ -15,7 +15,7 @@ from structlog.testing import capture_logs
 
 from tunerd.observe.gpu import GpuCollector
 from tunerd.observe.host import HostCollector
-from tunerd.observe.procfs import PAGE_SIZE
+from tunerd.procfs.processes import PAGE_SIZE
 
 MIB = 1024 * 1024
 KIB = 1024

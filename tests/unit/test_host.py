@@ -14,11 +14,11 @@ from tunerd.observe.host import (
     HostCollector,
     PsiLine,
     pci_sysfs_name,
-    read_meminfo,
     read_memory_pressure,
     read_pci_numa_node,
 )
-from tunerd.observe.procfs import ProcFiles
+from tunerd.procfs.memory import read_meminfo
+from tunerd.procfs.processes import ProcFiles
 
 KIB = 1024
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tunerd.journal import Journal, JournalError, read_records
+from tunerd.records.journal import Journal, JournalError, read_records
 
 
 class FakeWallClock:

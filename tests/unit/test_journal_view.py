@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tunerd.journal_view import follow, format_record, parse_since, print_journal
+from tunerd.cli.journal import follow, format_record, parse_since, print_journal
 
 NOW = datetime(2026, 11, 30, 12, 0, 0, tzinfo=UTC)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tunerd.config import EngineConfig, NumactlConfig
+from tunerd.core.params import EngineParams
 from tunerd.engine.launch import build_argv, build_env
-from tunerd.engine.params import EngineParams
 
 PARAMS = EngineParams(max_model_len=512, block_size=32, enable_prefix_caching=False)
 

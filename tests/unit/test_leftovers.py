@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tunerd.act.leftovers import LeftoverReaper
+from tunerd.engine.leftovers import LeftoverReaper
 from tunerd.engine.oscalls import SIGKILL, SIGTERM
 from tunerd.engine.process import MARKER_ENV
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tunerd.engine.failures import EngineFailure, FailureKind, more_specific
+from tunerd.core.failures import EngineFailure, FailureKind, more_specific
 from tunerd.engine.logwatch import InitEngineTook, KvCacheSize, LogFollower, classify_line
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from tunerd.engine.params import EngineParams, backend_problems
+from tunerd.core.params import EngineParams, backend_problems
 
 
 def test_unset_params_give_no_flags() -> None:

@@ -1,6 +1,6 @@
 """`tunerd plan`: the table, --json, exit statuses, config mode with a calibration, and the machine probe.
 
-The machine is faked by replacing `tunerd.plan_view.probe_machine` (except in the one test that reads
+The machine is faked by replacing `tunerd.cli.plan.probe_machine` (except in the one test that reads
 this machine): a DGX Spark / GB10 (unified memory, NVML memory NOT_SUPPORTED) for Llama 3 70B, a CPU
 node for the tiny model that `scripts/make-tiny-model.py` writes.
 """
@@ -13,17 +13,16 @@ from pathlib import Path
 import pytest
 
 from tests.unit.test_gpu import GB10, FakeDevice, FakeNvml
-from tunerd import plan_view
-from tunerd.calibration_store import CalibrationStore
-from tunerd.cli import main
-from tunerd.decide.calibration import Calibration
-from tunerd.decide.memory_facts import MemoryFacts, build_memory_facts
-from tunerd.decide.preflight_checks import PreflightFacts
-from tunerd.decide.units import GiB
-from tunerd.engine.params import EngineParams
+from tunerd.cli import plan as plan_view
+from tunerd.cli.main import main
+from tunerd.control.capacity import CalibrationStore
+from tunerd.core.machine import MachineFacts, MemoryFacts, PreflightFacts
+from tunerd.core.params import EngineParams
+from tunerd.core.units import GiB
 from tunerd.observe.gpu import GpuCollector
-from tunerd.observe.machine_facts import MachineFacts, probe_machine
-from tunerd.observe.model_dir import load_model_info
+from tunerd.observe.machine_facts import build_memory_facts, probe_machine
+from tunerd.observe.model.directory import load_model_info
+from tunerd.planner.calibration import Calibration
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = Path(__file__).resolve().parent / "model_configs"

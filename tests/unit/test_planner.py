@@ -14,14 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from tunerd.calibration_store import CalibrationStore
-from tunerd.decide.calibration import (
-    Calibration,
-    calibrate,
-    combine_calibrations,
-    parse_calibration,
-)
-from tunerd.decide.kv_math import (
+from tunerd.control.capacity import CalibrationStore
+from tunerd.core.machine import MemoryFacts, PreflightFacts
+from tunerd.core.params import EngineParams
+from tunerd.core.units import GiB
+from tunerd.observe.machine_facts import build_memory_facts, node_memory
+from tunerd.observe.model.directory import load_model_info, read_safetensors_header
+from tunerd.observe.model.info import model_info_from_config
+from tunerd.observe.model.weights import estimate_parameters, parse_quantization
+from tunerd.planner.calibration import Calibration, calibrate, combine_calibrations, parse_calibration
+from tunerd.planner.checks import preflight_checks
+from tunerd.planner.kv_math import (
     KVEstimateUnavailable,
     blocks_from_logged_tokens,
     kv_bytes_per_token,
@@ -32,15 +35,10 @@ from tunerd.decide.kv_math import (
     request_fits,
     vllm_estimated_max_model_len,
 )
-from tunerd.decide.memory_facts import MemoryFacts, build_memory_facts, node_memory, parse_meminfo
-from tunerd.decide.model_info import model_info_from_config
-from tunerd.decide.model_weights import estimate_parameters, parse_quantization
-from tunerd.decide.plan_report import plan_to_json, render_plan_table
-from tunerd.decide.planner import assess, band_for
-from tunerd.decide.preflight_checks import PreflightFacts, preflight_checks
-from tunerd.decide.units import GiB
-from tunerd.engine.params import EngineParams
-from tunerd.observe.model_dir import load_model_info, read_safetensors_header
+from tunerd.planner.plan import assess, band_for
+from tunerd.planner.report import plan_to_json, render_plan_table
+from tunerd.procfs.memory import parse_meminfo
+from tunerd.records.calibrations import FILENAME
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = HERE / "model_configs"
@@ -547,14 +545,14 @@ def test_calibration_store_roundtrip_and_atomic(tmp_path: Path) -> None:
     cal = Calibration(kv_cache_tokens=636_608, non_kv_low=10, non_kv_high=20, non_kv_bytes=15, samples=1)
     store.put(info, params, "cpu", cal, now=1.0)
     store.put(info, params.replace(gpu_memory_utilization=0.2), "cpu", cal, now=2.0)
-    assert [p.name for p in tmp_path.iterdir()] == [CalibrationStore.FILENAME]  # no temp file left
+    assert [p.name for p in tmp_path.iterdir()] == [FILENAME]  # no temp file left
     got = store.get(info, params, "cpu")
     assert got is not None and got.samples == 2 and got.non_kv_bytes == 15  # utilization is not in the key
     # Another max_num_seqs: the newest calibration of the model is used, with a note.
     other = store.get(info, params.replace(max_num_seqs=64), "cpu")
     assert other is not None and any("another configuration" in n for n in other.notes)
     assert store.get(info, params, "cuda") is None
-    (tmp_path / CalibrationStore.FILENAME).write_text("{not json")
+    (tmp_path / FILENAME).write_text("{not json")
     assert store.get(info, params, "cpu") is None
 
 
@@ -767,8 +765,8 @@ def test_preflight_unified_memory_box() -> None:
                 gpu_numa_node=0,
                 numa_nodes=1,
                 numactl_available=False,
-                plan=plan,
-            )
+            ),
+            plan,
         )
     )
     assert checks["swap"].verdict == "warn" and "swapoff -a" in checks["swap"].remedy
@@ -793,8 +791,8 @@ def test_preflight_old_cuda_numa_and_other_gpu_process() -> None:
                 numa_nodes=2,
                 numactl_available=False,
                 gpu_processes=((4242, "VLLM::EngineCore", int(130 * GiB)),),
-                plan=plan,
-            )
+            ),
+            plan,
         )
     )
     assert checks["swap"].verdict == "ok"

@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from tunerd.decide.calibration import calibrate, parse_calibration
-from tunerd.decide.memory_facts import build_memory_facts
-from tunerd.decide.model_info import model_info_from_config
-from tunerd.decide.planner import assess
-from tunerd.engine.params import EngineParams
+from tunerd.core.params import EngineParams
 from tunerd.observe.gpu import GpuDeviceSample
-from tunerd.observe.machine_facts import cuda_visible_total
+from tunerd.observe.machine_facts import build_memory_facts, cuda_visible_total
+from tunerd.observe.model.info import model_info_from_config
+from tunerd.planner.calibration import calibrate, parse_calibration
+from tunerd.planner.plan import assess
 
 HERE = Path(__file__).resolve().parent
 CAPTURES = HERE.parent / "fixtures" / "vllm-0.24.0-h200-tunerd"

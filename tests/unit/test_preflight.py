@@ -5,11 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.harness import free_port
-from tunerd.act.leftovers import LeftoverReaper
-from tunerd.act.preflight import GpuFacts, Preflight
 from tunerd.config import load_config
+from tunerd.control.preflight import Preflight
+from tunerd.core.machine import GpuFacts
+from tunerd.core.params import EngineParams
+from tunerd.engine.leftovers import LeftoverReaper
 from tunerd.engine.oscalls import OsCalls
-from tunerd.engine.params import EngineParams
 
 GIB = 1 << 30
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tunerd.observe.procfs import (
+from tunerd.procfs.processes import (
     ProcFiles,
     list_pids,
     parse_stat_faults,

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 
 from tunerd.config import BackoffConfig
-from tunerd.decide.restart_policy import (
+from tunerd.core.failures import EngineFailure, FailureKind
+from tunerd.core.params import EngineParams
+from tunerd.policy.restart import (
     Action,
     backoff_delay,
     consecutive_failures,
     decide_after_failure,
 )
-from tunerd.engine.failures import EngineFailure, FailureKind
-from tunerd.engine.params import EngineParams
 
 POLICY = BackoffConfig()  # 10 s doubling to 300 s, reset after 600 s, 3 failures
 GOOD = EngineParams(max_model_len=4096, max_num_seqs=64)

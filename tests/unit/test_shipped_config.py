@@ -9,7 +9,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from tunerd.config import Config, load_config
-from tunerd.engine.params import EngineParams
+from tunerd.core.params import EngineParams
 
 SHIPPED = Path(__file__).resolve().parents[2] / "etc" / "tunerd" / "tunerd.toml"
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tunerd.durable import atomic_write
-from tunerd.state import DaemonState, EngineRecord, StateStore
+from tunerd.records.durable import atomic_write
+from tunerd.records.state import DaemonState, EngineRecord, StateStore
 
 
 def test_save_then_load_round_trips_every_field(tmp_path: Path) -> None:

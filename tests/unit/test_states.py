@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tunerd.engine.states import (
+from tunerd.core.states import (
     TRANSITIONS,
     EngineState,
     InvalidTransition,

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tunerd.systemd import SYSTEMD_CHILD_ENV_BLOCKLIST, Notifier
+from tunerd.engine.launch import SYSTEMD_CHILD_ENV_BLOCKLIST
+from tunerd.faces.systemd import Notifier
 
 
 @pytest.fixture

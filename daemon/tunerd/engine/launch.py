@@ -7,8 +7,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from tunerd.config import Config, EngineConfig
-from tunerd.engine.params import EngineParams
-from tunerd.systemd import SYSTEMD_CHILD_ENV_BLOCKLIST
+from tunerd.core.params import EngineParams
+
+# Variables that tell a process it is the service's main process; vLLM must not see them.
+SYSTEMD_CHILD_ENV_BLOCKLIST = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID")
 
 
 def build_argv(engine: EngineConfig, params: EngineParams) -> list[str]:

@@ -16,7 +16,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from tunerd.engine.failures import EngineFailure, FailureKind
+from tunerd.core.failures import EngineFailure, FailureKind
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ import shutil
 import signal
 from collections.abc import Mapping, Sequence
 
-from tunerd.observe import procfs
+from tunerd.procfs import processes as procfs
 
 PR_SET_CHILD_SUBREAPER = 36
 

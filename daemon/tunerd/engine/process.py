@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from tunerd.engine.exits import ExitStatus
-from tunerd.engine.failures import EngineFailure, FailureKind, more_specific
+from tunerd.core.exits import ExitStatus
+from tunerd.core.failures import EngineFailure, FailureKind, more_specific
+from tunerd.core.params import EngineParams
+from tunerd.core.states import EngineState, check_transition
 from tunerd.engine.logwatch import InitEngineTook, KvCacheSize, LogEvent, LogFollower, classify_line
 from tunerd.engine.oscalls import SIGKILL, SIGTERM, OsCalls
-from tunerd.engine.params import EngineParams
-from tunerd.engine.states import EngineState, check_transition
 
 MARKER_ENV = "TUNERD_INSTANCE"
 

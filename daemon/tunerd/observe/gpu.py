@@ -25,7 +25,8 @@ from typing import Any, Literal, NamedTuple
 
 import structlog
 
-from tunerd.observe.host import HostSample, read_engine_usage, read_meminfo, read_pci_numa_node
+from tunerd.observe.host import HostSample, read_engine_usage, read_pci_numa_node
+from tunerd.procfs.memory import read_meminfo
 
 log = structlog.get_logger(__name__)
 

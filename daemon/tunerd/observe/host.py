@@ -22,8 +22,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from tunerd.decide.memory_facts import parse_meminfo
-from tunerd.observe.procfs import (
+from tunerd.procfs.processes import (
     PAGE_SIZE,
     ProcFiles,
     parse_stat_faults,
@@ -38,7 +37,6 @@ __all__ = [
     "PsiLine",
     "pci_sysfs_name",
     "read_engine_usage",
-    "read_meminfo",
     "read_memory_pressure",
     "read_pci_numa_node",
 ]
@@ -73,12 +71,6 @@ def _read_bytes(path: str) -> bytes:
 
 def _read_text(path: str) -> str:
     return _read_bytes(path).decode("ascii", "replace")
-
-
-def read_meminfo(proc: str = "/proc") -> dict[str, int]:
-    """Return `<proc>/meminfo` as {key: value}; values with a `kB` unit are converted to bytes, the
-    others (HugePages_* counts) are kept as they are. Raises OSError if the file can't be read."""
-    return parse_meminfo(_read_text(f"{proc}/meminfo"))
 
 
 def pci_sysfs_name(bus_id: str) -> str | None:

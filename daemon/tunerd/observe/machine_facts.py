@@ -1,5 +1,5 @@
 """This machine's memory and preflight facts for the planner, read from the files vLLM reads and NVML
-(the I/O edge of `tunerd.decide.memory_facts` and `tunerd.decide.preflight_checks`).
+(what `tunerd.planner` plans against, as `core.machine` value types).
 
 - Host: /proc/meminfo (MemTotal, MemAvailable, page cache, swap).
 - CPU backend: the NUMA node of the first CPU this process may run on, its node meminfo and the cgroup
@@ -15,27 +15,75 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
-from tunerd.decide.memory_facts import MemoryFacts, build_memory_facts
-from tunerd.decide.preflight_checks import PreflightFacts
-from tunerd.engine.params import Backend
+from tunerd.core.machine import BackendChoice, MachineFacts, MemoryFacts, PreflightFacts
+from tunerd.core.params import Backend
 from tunerd.observe.gpu import GpuCollector, GpuDeviceSample
+from tunerd.procfs.memory import page_cache_bytes, parse_meminfo
 
-BackendChoice = Literal["auto", "cpu", "cuda"]
+
+def node_memory(
+    node_meminfo: Mapping[str, int], cgroup_limit: int | None = None, cgroup_usage: int | None = None
+) -> tuple[int, int]:
+    """(total, available) of a NUMA node exactly as vLLM's `get_memory_node_info` computes them:
+    available = MemFree + Active(file) + Inactive(file) + SReclaimable; a cgroup limit below the node's
+    total replaces the total and caps available at limit − usage."""
+    total = node_meminfo["MemTotal"]
+    available = (
+        node_meminfo["MemFree"]
+        + node_meminfo["Active(file)"]
+        + node_meminfo["Inactive(file)"]
+        + node_meminfo["SReclaimable"]
+    )
+    if cgroup_limit is not None and cgroup_limit < total:
+        total = cgroup_limit
+        available = max(0, min(available, cgroup_limit - (cgroup_usage or 0)))
+    return total, available
 
 
-@dataclass(frozen=True)
-class MachineFacts:
-    """What `probe_machine` found: the backend to plan for, memory facts, preflight facts (without a
-    plan: the caller adds it), and notes for the operator about how the figures were obtained."""
-
-    backend: Backend
-    memory: MemoryFacts
-    preflight: PreflightFacts
-    notes: tuple[str, ...] = ()
+def build_memory_facts(
+    proc_meminfo: str,
+    *,
+    gpu_total_bytes: int | None = None,
+    gpu_free_bytes: int | None = None,
+    gpu_present: bool = False,
+    gpu_memory_supported: bool = True,
+    node_meminfo: str | None = None,
+    numa_node: int | None = None,
+    cgroup_limit: int | None = None,
+    cgroup_usage: int | None = None,
+    own_engine_bytes: int = 0,
+) -> MemoryFacts:
+    """Assemble `MemoryFacts` from raw readings (pure). A GPU whose memory query answered NOT_SUPPORTED
+    (`gpu_present and not gpu_memory_supported`) is unified memory: the budget then comes from the host.
+    Page cache = Cached + Buffers − Shmem (shared memory cannot be dropped)."""
+    host = parse_meminfo(proc_meminfo)
+    unified = gpu_present and not gpu_memory_supported
+    cache = page_cache_bytes(host)
+    node_total = node_available = None
+    if node_meminfo is not None:
+        node_total, node_available = node_memory(parse_meminfo(node_meminfo), cgroup_limit, cgroup_usage)
+    elif "MemTotal" in host:
+        # vLLM's fallback without per-node meminfo: psutil's total/available (MemTotal/MemAvailable).
+        node_total, node_available = host["MemTotal"], host.get("MemAvailable", host.get("MemFree", 0))
+    return MemoryFacts(
+        gpu_total_bytes=None if unified else gpu_total_bytes,
+        gpu_free_bytes=None if unified else gpu_free_bytes,
+        unified=unified,
+        host_mem_total_bytes=host.get("MemTotal"),
+        host_mem_available_bytes=host.get("MemAvailable"),
+        host_mem_free_bytes=host.get("MemFree"),
+        host_page_cache_bytes=cache,
+        host_swap_total_bytes=host.get("SwapTotal"),
+        host_swap_free_bytes=host.get("SwapFree"),
+        numa_node=numa_node,
+        node_mem_total_bytes=node_total,
+        node_mem_available_bytes=node_available,
+        own_engine_bytes=own_engine_bytes,
+    )
 
 
 def _read_int(path: Path) -> int | None:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from tunerd.decide.guards import MemoryReading
-from tunerd.observe.host import read_meminfo, read_memory_pressure
+from tunerd.core.machine import MemoryReading
+from tunerd.observe.host import read_memory_pressure
+from tunerd.procfs.memory import read_meminfo
 
 
 def read_memory(proc: str = "/proc") -> MemoryReading:

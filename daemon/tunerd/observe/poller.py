@@ -15,11 +15,11 @@ from typing import Any
 
 import httpx
 
-from tunerd.observe import procfs
 from tunerd.observe.gpu import GpuCollector, GpuSample
 from tunerd.observe.host import HostCollector, HostSample
 from tunerd.observe.http_transport import LoopbackClient
 from tunerd.observe.vllm_metrics import ScrapeResult, filtered_metrics_url, metrics_request, scrape
+from tunerd.procfs import processes as procfs
 
 PIDS_REFRESH_S = 10.0  # walking /proc for the engine's tree costs ~1 ms: not every poll
 

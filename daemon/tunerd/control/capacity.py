@@ -1,0 +1,188 @@
+"""The capacity planner where the daemon uses it: the verdict in every start's preflight, and the
+calibration from what vLLM reported at each start.
+
+I/O edge of the pure planner (`tunerd.planner`): reads the model directory, probes the machine (NVML, /proc,
+the NUMA node vLLM's CPU backend reads), keeps calibrations in the state dir.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tunerd.config import Config
+from tunerd.core.model import ModelInfo, ModelInfoError
+from tunerd.core.params import Backend, EngineParams
+from tunerd.observe.machine_facts import probe_machine
+from tunerd.observe.model.directory import load_model_info
+from tunerd.planner.calibration import (
+    Calibration,
+    calibrate,
+    calibration_key,
+    parse_calibration,
+    pick_calibration,
+)
+from tunerd.planner.checks import preflight_checks
+from tunerd.planner.plan import PlanVerdict, assess
+from tunerd.records.calibrations import CalibrationFile
+
+
+@dataclass(frozen=True)
+class PlanOutcome:
+    """The preflight's view of a plan: a refusal reason (None: start), the figures for the journal."""
+
+    refusal: str | None
+    figures: dict[str, Any]
+    predicted_kv_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class CalibrationDone:
+    """Posted by the background calibration after a start: what vLLM reported, what was stored."""
+
+    run_id: int
+    figures: dict[str, Any]
+
+
+def summarize(plan: PlanVerdict) -> dict[str, Any]:
+    """The figures an operator needs to understand a verdict, in one journal record."""
+    budget = plan.budget
+    return {
+        "feasible": plan.feasible,
+        "band": plan.band,
+        "ratio": None if plan.ratio is None else round(plan.ratio, 3),
+        "backend": plan.backend,
+        "memory": plan.memory_kind,
+        "weights_bytes": plan.weights_bytes,
+        "kv_bytes_per_token": plan.kv_bytes_per_token,
+        "kv_budget_bytes": budget.kv_bytes,
+        "budget_source": budget.source,
+        "physical_bytes": budget.physical_bytes,
+        "kv_cache_tokens": plan.kv_cache_tokens,
+        "kv_cache_tokens_range": list(plan.kv_cache_tokens_range) if plan.kv_cache_tokens_range else None,
+        "max_concurrency": plan.max_concurrency,
+        "largest_max_model_len": plan.largest_max_model_len,
+        "calibrated": plan.calibrated,
+        "reasons": list(plan.reasons),
+        "suggested": plan.suggested.as_dict() if plan.suggested else None,
+    }
+
+
+class CalibrationStore:
+    """Calibrations per model and non-KV-relevant configuration, kept in the state dir.
+
+    Each key (`calibration_key`) keeps its last `keep` starts; `get` combines them, or falls back to the
+    newest calibration of the same model and backend (`pick_calibration`).
+    """
+
+    def __init__(self, state_dir: str | Path, keep: int = 8) -> None:
+        self.file = CalibrationFile(state_dir)
+        self.keep = keep
+
+    def get(self, model: ModelInfo, params: EngineParams, backend: Backend) -> Calibration | None:
+        """The calibration that applies to this configuration, or None. Never raises."""
+        return pick_calibration(self.file.entries(), model, params, backend)
+
+    def put(
+        self,
+        model: ModelInfo,
+        params: EngineParams,
+        backend: Backend,
+        calibration: Calibration,
+        *,
+        now: float,
+    ) -> None:
+        """Keep `calibration` for this configuration (wall time `now`). Raises OSError."""
+        key = calibration_key(model, params, backend)
+        self.file.append(key, calibration.to_json(), keep=self.keep, now=now)
+
+
+class Capacity:
+    """Answers "does this parameter set fit?" before a start, and learns from each start."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.store = CalibrationStore(config.paths.state_dir)
+        self._model: ModelInfo | None = None
+        self._model_key: tuple[str, float] | None = None
+        self._checked = False  # the operator's preflight checks are journaled once, before the first start
+
+    def model(self) -> ModelInfo | None:
+        """The model's description, re-read when its config.json changes; None when not a readable dir."""
+        path = Path(self.config.engine.model)
+        try:
+            key = (str(path), (path / "config.json").stat().st_mtime)
+        except OSError:
+            return None
+        if key != self._model_key:
+            self._model, self._model_key = load_model_info(path), key
+        return self._model
+
+    def check(self, params: EngineParams) -> PlanOutcome:
+        """The planner's verdict for `params` on this machine now (with the stored calibration).
+
+        `preflight.planner`: enforce (refusals stop the start), warn (journaled only), off.
+        """
+        mode = self.config.preflight.planner
+        if mode == "off":
+            return PlanOutcome(None, {"planner": "off"})
+        try:
+            model = self.model()
+        except ModelInfoError as exc:
+            return PlanOutcome(None, {"planner": f"no plan: {exc}"})
+        if model is None:
+            return PlanOutcome(
+                None, {"planner": f"no plan: {self.config.engine.model} is not a model directory here"}
+            )
+        try:
+            machine = probe_machine("auto")
+        except OSError as exc:
+            return PlanOutcome(None, {"planner": f"no plan: {exc}"})
+        calibration = self.store.get(model, params, machine.backend)
+        plan = assess(model, params, machine.memory, backend=machine.backend, calibration=calibration)
+        figures = summarize(plan)
+        if not self._checked:
+            self._checked = True
+            checks = preflight_checks(machine.preflight, plan)
+            figures["checks"] = [
+                {"check": c.name, "verdict": c.verdict, "detail": c.detail, "remedy": c.remedy}
+                for c in checks
+            ]
+        refusal = None
+        if not plan.feasible and mode == "enforce":
+            refusal = "; ".join(plan.budget.start_refusals) or (
+                f"oversubscription {plan.ratio:.2f} is in band {plan.band}"
+                if plan.ratio is not None
+                else plan.band
+            )
+        return PlanOutcome(refusal, figures, plan.kv_cache_tokens)
+
+    def calibrate_from_log(self, run_id: int, log_path: Path, params: EngineParams) -> CalibrationDone | None:
+        """Read how vLLM sized its KV cache at this start and keep it for the next prediction.
+
+        Runs in a background thread (file and NVML reads). None when the log says nothing usable.
+        """
+        try:
+            model = self.model()
+            if model is None:
+                return None
+            with open(log_path, errors="replace") as f:
+                parsed = parse_calibration(f)
+            if parsed.kv_cache_tokens is None and parsed.estimated_max_model_len is None:
+                return None
+            machine = probe_machine("auto")
+            calibration = calibrate(parsed, model, params, machine.memory, backend=machine.backend)
+            self.store.put(model, params, machine.backend, calibration, now=time.time())
+        except (OSError, ModelInfoError, ValueError) as exc:
+            return CalibrationDone(run_id, {"error": f"{type(exc).__name__}: {exc}"})
+        return CalibrationDone(
+            run_id,
+            {
+                "kv_cache_tokens": parsed.kv_cache_tokens,
+                "non_kv_bytes": calibration.non_kv_bytes,
+                "samples": calibration.samples,
+                "notes": list(calibration.notes),
+            },
+        )

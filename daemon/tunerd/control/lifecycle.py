@@ -1,0 +1,465 @@
+"""The engine's life, driven by the main loop: start through the preflight, watch, fail, back off, roll
+back, give up (FATAL) — with the guards that run all the time (host memory, forward progress) and the
+upgrade guard.
+
+Owned by the supervisor's loop thread; no threads, no sleeps, no blocking I/O beyond the journal and
+the state file. Decisions come from `policy/` (pure); process work from `engine/`; the start from `starting`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
+import structlog
+
+from tunerd.config import Config
+from tunerd.control.capacity import CalibrationDone, Capacity
+from tunerd.control.run_guards import RunGuards
+from tunerd.control.starting import PendingStart, Refused, Starter, Waiting
+from tunerd.core.failures import EngineFailure, FailureKind
+from tunerd.core.machine import MemoryReading
+from tunerd.core.params import EngineParams
+from tunerd.core.states import EngineState
+from tunerd.engine.logwatch import KvCacheSize
+from tunerd.engine.oscalls import OsCalls
+from tunerd.engine.process import Engine, EngineRun, Exited, TreeGone, failure_from_exit
+from tunerd.observe.health import HealthResult
+from tunerd.observe.identity import Capabilities, EngineIdentity, identity_changes, probe_identity
+from tunerd.observe.poller import PollSample
+from tunerd.policy.restart import Action, decide_after_failure
+from tunerd.records.metrics import Metrics
+from tunerd.records.recorder import Recorder
+from tunerd.records.state import DaemonState, StateStore
+
+log = structlog.get_logger("tunerd")
+
+ACTIVE = (EngineState.STARTING, EngineState.RUNNING)
+# Failures whose log says how vLLM sized (or could not size) its KV cache.
+CALIBRATES = (FailureKind.KV_CACHE_TOO_SMALL, FailureKind.NO_KV_MEMORY, FailureKind.INSUFFICIENT_MEMORY)
+
+
+class Lifecycle:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        oscalls: OsCalls,
+        recorder: Recorder,
+        store: StateStore,
+        dstate: DaemonState,
+        metrics: Metrics,
+        on_status_change: Callable[[], None],
+        background: Callable[[Callable[[], Any]], None],
+        monotonic: Callable[[], float],
+        wallclock: Callable[[], datetime],
+    ) -> None:
+        self._config = config
+        self.capacity = Capacity(config)
+        self.rec = recorder
+        self.store = store
+        self.dstate = dstate
+        self.metrics = metrics
+        self.on_status_change = on_status_change
+        self.background = background
+        self.monotonic = monotonic
+        self.engine = Engine(
+            oscalls=oscalls,
+            marker=dstate.instance_id,
+            log_dir=config.paths.engine_log_dir,
+            logs_kept=config.paths.engine_logs_kept,
+            on_transition=self._on_transition,
+        )
+        self.params = config.engine.params
+        self.known_good = EngineParams(**dstate.last_known_good) if dstate.last_known_good else None
+        self.failures = 0
+        self.pending: PendingStart | None = None
+        self.open_intent: int | None = None
+        self.fatal_reason: str | None = None
+        self.waiting_reason: str | None = None
+        self.notes: dict[str, str] = {}  # things an operator should know (upgrade, page cache …)
+        self.restarts: Counter[str] = Counter()
+        self.guards = RunGuards(recorder)
+        self.shutting_down = False
+        self.starter = Starter(
+            config,
+            oscalls=oscalls,
+            engine=self.engine,
+            recorder=recorder,
+            dstate=dstate,
+            save_state=self._save_state,
+            capacity=self.capacity,
+            gpu=lambda: self.guards.gpu,
+            wallclock=wallclock,
+        )
+
+    @property
+    def config(self) -> Config:
+        return self._config
+
+    @config.setter
+    def config(self, config: Config) -> None:
+        self._config = config
+        self.capacity.config = config
+        self.starter.config = config
+
+    # -- starting ----------------------------------------------------------------------------------
+
+    def initial_params(self) -> tuple[EngineParams, str]:
+        """Last-known-good when the operator has not edited [engine.params] since; else the config's."""
+        configured = self.config.engine.params
+        lkg = self.dstate.last_known_good
+        if lkg is not None and self.dstate.base_params == configured.as_dict():
+            return EngineParams(**lkg), "daemon start: last-known-good parameters"
+        if lkg is not None:
+            return configured, "daemon start: [engine.params] changed since last-known-good; using the config"
+        return configured, "daemon start: parameters from the config"
+
+    def schedule_start(
+        self, params: EngineParams, action: str, reason: str, delay: float, **fields: Any
+    ) -> bool:
+        """Announce a start (an fsynced intent) and queue it. False, and nothing queued, when a change
+        of parameters could not be made durable."""
+        if params != self.params:
+            fields["params_before"] = self.params
+        intent = self.rec.intent(action, reason=reason, params=params, delay_s=delay, **fields)
+        if intent is None and params != self.params:
+            log.error("change.refused", reason="journal unwritable: no change without a durable intent")
+            return False
+        if self.pending is not None:
+            self.rec.outcome(self.pending.intent, "aborted", reason=f"superseded by {action}")
+        self.pending = PendingStart(params, intent, action, self.monotonic() + delay)
+        return True
+
+    def _try_start(self, now: float) -> None:
+        pending = self.pending
+        assert pending is not None
+        step = self.starter.step(pending, now)
+        if isinstance(step, Waiting):
+            self._set_waiting(step.reason)
+            return
+        self.pending = None
+        self._set_waiting(None)
+        self.params = pending.params
+        if isinstance(step, Refused):
+            # No launch: the failure goes through the same policy as a crash.
+            self.rec.outcome(pending.intent, "failed", failure=step.failure.as_dict())
+            self._count_failure(step.failure)
+            self._decide_after_failure(step.failure, ran_for_s=None, now=now)
+            return
+        self.open_intent = pending.intent
+        self.guards.new_run()
+
+    # -- the loop's step -----------------------------------------------------------------------
+
+    def step(self, now: float) -> None:
+        engine = self.engine
+        for event in engine.poll(now, self._grace()):
+            if isinstance(event, EngineFailure):
+                self._on_failure(event, now)
+            elif isinstance(event, KvCacheSize):
+                self.metrics.kv_cache_tokens.set(event.tokens)
+                log.info("engine.kv_cache", tokens=event.tokens, max_concurrency=event.max_concurrency)
+            elif isinstance(event, Exited):
+                self._on_exit(event, now)
+            elif isinstance(event, TreeGone):
+                self._on_tree_gone(event, now)
+        run = engine.run
+        budget = self.config.timeouts.startup_s
+        if engine.state is EngineState.STARTING and run is not None and now - run.started_mono > budget:
+            self._on_failure(
+                EngineFailure(FailureKind.STARTUP_TIMEOUT, f"no /health 200 in {budget:g} s"), now
+            )
+        if engine.state is EngineState.RUNNING and run is not None:
+            self._maybe_mark_known_good(run, now)
+        pending = self.pending
+        if (
+            pending is not None
+            and engine.run is None
+            and not self.shutting_down
+            and now >= pending.not_before
+        ):
+            self._try_start(now)
+
+    def _grace(self) -> float:
+        run = self.engine.run
+        if run is not None and run.failure is not None and run.failure.kind is FailureKind.MEMORY_EMERGENCY:
+            return self.config.guard.emergency_grace_s  # the host is about to stall: no long goodbye
+        return self.config.timeouts.graceful_stop_s
+
+    @property
+    def settled(self) -> bool:
+        """No process exists (what shutdown waits for)."""
+        return self.engine.run is None
+
+    # -- watching ------------------------------------------------------------------------------
+
+    def on_health(self, result: HealthResult, now: float) -> None:
+        run = self.engine.run
+        if run is None or result.run_id != run.run_id:
+            return  # a late answer about an earlier run
+        if self.engine.state is EngineState.STARTING and result.ok:
+            self.engine.mark_ready(now)
+            seconds = round(now - run.started_mono, 2)
+            kv = run.kv_cache.tokens if run.kv_cache else None
+            self.rec.record(
+                "engine.ready",
+                pid=run.pid,
+                seconds=seconds,
+                kv_cache_tokens=kv,
+                predicted_kv_cache_tokens=run.predicted_kv_tokens,
+                init_engine_s=run.init_seconds,
+                params=run.params,
+            )
+            self._close_intent("ok", seconds=seconds, kv_cache_tokens=kv)
+            self.background(lambda: _identity_job(run))
+            self._learn_from(run)
+        elif self.engine.state is EngineState.RUNNING:
+            run.health_failures = 0 if result.ok else run.health_failures + 1
+            if run.health_failures >= self.config.timeouts.health_failures:
+                detail = f"/health failed {run.health_failures} times in a row (last: {result.detail})"
+                self._on_failure(EngineFailure(FailureKind.HEALTH_FAILED, detail), now)
+
+    def on_memory(self, reading: MemoryReading, now: float) -> None:
+        """The host-wedge guard: stop vLLM before the host stalls on memory."""
+        if self.engine.state in ACTIVE:
+            failure = self.guards.check_memory(reading, self.config.guard, self.params)
+            if failure is not None:
+                self._on_failure(failure, now)
+
+    def on_poll(self, sample: PollSample, now: float) -> None:
+        """Remember the GPU facts for the next preflight; watch forward progress of the current run."""
+        self.guards.remember_gpu(sample)
+        run = self.engine.run
+        if run is not None and sample.run_id == run.run_id and self.engine.state is EngineState.RUNNING:
+            failure = self.guards.check_progress(sample, self.config.guard, run.pid, now)
+            if failure is not None:
+                self._on_failure(failure, now)
+
+    def on_identity(self, identity: EngineIdentity) -> None:
+        """The upgrade guard: journal versions and model identity; flag last-known-good as unverified
+        after a change, until a start with it succeeds."""
+        run = self.engine.run
+        facts = dict(identity.facts)
+        changes = identity_changes(self.dstate.identity, facts)
+        self.rec.record("engine.identity", **facts)
+        if changes:
+            self.rec.record("engine.upgraded", changes=changes)
+            log.warning("engine.upgraded", changes=changes)
+            self.notes["upgrade"] = "vLLM, driver or model changed: " + ", ".join(sorted(changes))
+            if run is None or run.params != self.known_good:
+                self.dstate.known_good_verified = False
+        if run is not None and run.run_id == identity.run_id and run.params == self.known_good:
+            self.dstate.known_good_verified = True
+            self.notes.pop("upgrade", None)
+        self.dstate.identity = facts
+        self._save_state()
+
+    def _learn_from(self, run: EngineRun) -> None:
+        """Calibrate the planner from what vLLM reported at this start (in the background)."""
+        capacity, log_path, params, run_id = self.capacity, run.log_path, run.params, run.run_id
+        self.background(lambda: capacity.calibrate_from_log(run_id, log_path, params))
+
+    def on_calibration(self, done: CalibrationDone) -> None:
+        self.rec.record("planner.calibrated", run=done.run_id, **done.figures)
+
+    def on_capabilities(self, caps: Capabilities) -> None:
+        self.dstate.capabilities = {"command": list(caps.command), "shutdown_timeout": caps.shutdown_timeout}
+        self._save_state()
+        self.rec.record("engine.capabilities", shutdown_timeout=caps.shutdown_timeout, error=caps.error)
+
+    def needs_capabilities(self) -> bool:
+        caps = self.dstate.capabilities or {}
+        return caps.get("command") != list(self.config.engine.command)
+
+    # -- failures --------------------------------------------------------------------------------
+
+    def _on_failure(self, failure: EngineFailure, now: float) -> None:
+        """A failure while STARTING/RUNNING: journal it at once and stop the whole tree."""
+        engine = self.engine
+        run = engine.run
+        assert run is not None
+        if engine.state not in ACTIVE:
+            if engine.state is EngineState.STOPPING and run.failure is not None:
+                engine.note_failure(failure)  # a more specific cause printed while stopping
+            return
+        standing = engine.note_failure(failure)
+        phase = engine.state.name.lower()
+        self.rec.record(
+            "engine.failed",
+            phase=phase,
+            pid=run.pid,
+            seconds=round(now - run.started_mono, 2),
+            failure=standing.as_dict(),
+            params=run.params,
+            log=str(run.log_path),
+        )
+        log.error("engine.failed", phase=phase, kind=str(standing.kind), detail=standing.detail)
+        engine.begin_stop(now, str(standing.kind))
+
+    def _on_exit(self, event: Exited, now: float) -> None:
+        run = self.engine.run
+        assert run is not None
+        how = event.status.describe(killed_by_us=run.kill_sent)
+        self.rec.record("engine.exited", pid=run.pid, exit=event.status.as_dict(), how=how)
+        if self.engine.state in ACTIVE:
+            self._on_failure(failure_from_exit(event.status, phase=self.engine.state), now)
+
+    def _on_tree_gone(self, event: TreeGone, now: float) -> None:
+        engine = self.engine
+        run = engine.run
+        assert run is not None
+        self.rec.record(
+            "engine.stopped",
+            pid=run.pid,
+            reason=run.stop_reason,
+            seconds=round(event.seconds, 2),
+            sigkill=event.killed,
+            survivors=list(event.survivors),
+        )
+        if event.survivors:
+            log.error("engine.survivors", pids=list(event.survivors))
+        failure = run.failure
+        ran_for = run.uptime(now) if run.ready_mono is not None else None
+        engine.settle(EngineState.STOPPED if failure is None else EngineState.BACKOFF)
+        self.dstate.engine = None
+        self._save_state()
+        if failure is None:
+            self._close_intent("aborted", reason=run.stop_reason)
+            return
+        self._count_failure(failure)
+        self._close_intent("failed", failure=failure.as_dict(), tail=run.tail[-10:])
+        if failure.kind in CALIBRATES:
+            self._learn_from(run)  # vLLM's refusal says how much memory it found: calibrate from it too
+        if not self.shutting_down:
+            self._decide_after_failure(failure, ran_for_s=ran_for, now=now)
+
+    def _count_failure(self, failure: EngineFailure) -> None:
+        self.restarts[str(failure.kind)] += 1
+        self.metrics.restarts.labels(reason=str(failure.kind)).inc()
+
+    def _decide_after_failure(self, failure: EngineFailure, ran_for_s: float | None, now: float) -> None:
+        decision = decide_after_failure(
+            self.config.backoff,
+            failures_before=self.failures,
+            ran_for_s=ran_for_s,
+            failure=failure,
+            params=self.params,
+            known_good=self.known_good,
+        )
+        self.failures = decision.failures
+        if decision.action is Action.FATAL or decision.params is None:
+            self._enter_fatal(f"{failure.kind}: {decision.reason}; last error: {failure.detail}")
+            return
+        if self.engine.state is not EngineState.BACKOFF:
+            self.engine.enter(EngineState.BACKOFF)
+        self.rec.record(
+            "engine.backoff",
+            action=str(decision.action),
+            delay_s=decision.delay_s,
+            failures=decision.failures,
+            reason=decision.reason,
+        )
+        self.schedule_start(
+            decision.params, str(decision.action), decision.reason, decision.delay_s, after=str(failure.kind)
+        )
+
+    def _enter_fatal(self, reason: str) -> None:
+        self.fatal_reason = reason
+        self.pending = None
+        self.engine.enter(EngineState.FATAL)
+        self.rec.record("engine.fatal", reason=reason, params=self.params)
+        log.error(
+            "engine.fatal", reason=reason, hint="fix the cause, then `tunerd resume` or reload the config"
+        )
+
+    def _maybe_mark_known_good(self, run: EngineRun, now: float) -> None:
+        """Parameters that have served for `known_good_after_s` become last-known-good."""
+        if run.uptime(now) < self.config.backoff.known_good_after_s:
+            return
+        if self.known_good == run.params and self.failures == 0:
+            return
+        self.failures = 0
+        if self.known_good == run.params:
+            return
+        self.known_good = run.params
+        self.dstate.last_known_good = run.params.as_dict()
+        self.dstate.base_params = self.config.engine.params.as_dict()
+        self.dstate.known_good_verified = True
+        self._save_state()
+        self.rec.record("known_good.updated", params=run.params)
+
+    # -- operator actions --------------------------------------------------------------------------
+
+    def restart(self, params: EngineParams, reason: str, action: str = "restart") -> bool:
+        """A planned restart (reload, tuning trial): intent first, then stop, then start with `params`."""
+        self.failures = 0
+        if not self.schedule_start(params, action, reason, delay=0.0):
+            return False
+        if self.engine.run is not None:
+            self.engine.begin_stop(self.monotonic(), action)
+        elif self.engine.state in (EngineState.BACKOFF, EngineState.FATAL):
+            self.fatal_reason = None
+            self.engine.enter(EngineState.STOPPED)
+        return True
+
+    def resume(self, reason: str, params: EngineParams | None = None) -> bool:
+        """Leave FATAL (operator action): forget the failure count and the memory baseline."""
+        if self.engine.state is not EngineState.FATAL:
+            return False
+        self.fatal_reason = None
+        self.failures = 0
+        self.dstate.baseline = None  # the operator acted: measure free memory afresh
+        self.engine.enter(EngineState.STOPPED)
+        return self.schedule_start(params or self.params, "start", reason, delay=0.0)
+
+    def shutdown(self) -> None:
+        self.shutting_down = True
+        if self.pending is not None:
+            self.rec.outcome(self.pending.intent, "aborted", reason="daemon shutdown")
+            self.pending = None
+        if self.engine.run is not None and self.engine.state is not EngineState.STOPPING:
+            self.engine.begin_stop(self.monotonic(), "daemon shutdown")
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _close_intent(self, result: str, **fields: Any) -> None:
+        if self.open_intent is not None:
+            self.rec.outcome(self.open_intent, result, **fields)
+            self.open_intent = None
+
+    def _save_state(self) -> None:
+        try:
+            self.store.save(self.dstate)
+        except OSError as exc:
+            log.error("state.write_failed", error=str(exc))
+
+    def _set_waiting(self, reason: str | None) -> None:
+        if reason != self.waiting_reason:
+            self.waiting_reason = reason
+            if reason:
+                log.info("engine.start_delayed", reason=reason)
+            self.on_status_change()
+
+    def _on_transition(self, old: EngineState, new: EngineState, run: EngineRun | None) -> None:
+        log.info("engine.state", old=old.name, new=new.name, pid=run.pid if run else None)
+        self.metrics.set_engine(new)
+        if run is not None:
+            self.metrics.set_params(run.params.as_dict())
+        self.on_status_change()
+
+    def status_line(self) -> str:
+        state = self.engine.state
+        run = self.engine.run
+        if state is EngineState.FATAL:
+            return f"engine FATAL: {self.fatal_reason}"
+        if self.waiting_reason:
+            return f"engine {state.name}: start delayed: {self.waiting_reason}"
+        return f"engine {state.name}" + (f" (pid {run.pid})" if run else "")
+
+
+def _identity_job(run: EngineRun) -> EngineIdentity:
+    model = run.argv[run.argv.index("--model") + 1] if "--model" in run.argv else ""
+    return probe_identity(run.run_id, run.base_url, model)

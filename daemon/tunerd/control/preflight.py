@@ -1,0 +1,279 @@
+"""The preflight every start passes — first start, crash restart, rollback, tuning trial alike.
+
+In order, each may hold the start back (non-blocking: `step(now)` is called every loop tick):
+1. leftovers: processes an earlier vLLM of this tunerd left (found by the marker) are stopped and
+   reaped (engine/leftovers.py); a vLLM this tunerd did not start is only reported;
+2. the port is free (a holder is named);
+3. the memory-return gate: free memory back within tolerance of the baseline taken before the
+   first start (MemAvailable, and the GPU's free memory where NVML reports it: so the gate waits for
+   the first poll);
+4. page cache: on unified memory, a large one is dropped when the config allows, else advised;
+5. the capacity planner's verdict on the parameters (a refusal is final for these parameters).
+A start held back longer than `max_wait_s` fails with the last reason, so the crash-loop breaker
+(backoff, rollback, FATAL) applies instead of an endless wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from tunerd.config import Config
+from tunerd.control.capacity import PlanOutcome
+from tunerd.core.failures import EngineFailure, FailureKind
+from tunerd.core.machine import GpuFacts
+from tunerd.core.params import EngineParams
+from tunerd.core.units import GiB
+from tunerd.engine.leftovers import LeftoverReaper
+from tunerd.engine.oscalls import OsCalls
+from tunerd.engine.process import MARKER_ENV
+from tunerd.observe.memory import read_memory
+from tunerd.policy.guards import MemoryGate, memory_returned
+from tunerd.procfs.memory import page_cache_bytes, read_meminfo
+from tunerd.procfs.processes import list_pids, read_comm, read_stat
+
+
+@dataclass
+class PreflightStep:
+    clear: bool
+    reason: str | None = None  # why the start waits (clear False, failure None)
+    failure: EngineFailure | None = None  # the start fails: no launch
+    records: list[dict[str, Any]] = field(default_factory=list)  # journal records to write
+
+
+PlanCheck = Callable[[EngineParams], PlanOutcome]
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """Whether `host:port` can be bound, as uvicorn will bind it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host or "0.0.0.0", port))
+            return True
+        except OSError:
+            return False
+
+
+def port_holder(port: int) -> str:
+    """Who listens on TCP `port`, as far as we can see (psutil walks every process' sockets: slow)."""
+    with contextlib.suppress(psutil.Error, OSError):
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN and conn.pid:
+                return f"pid {conn.pid} ({read_comm(conn.pid)})"
+    return "another process"
+
+
+def foreign_engines(marker: str, proc: str = "/proc") -> list[dict[str, Any]]:
+    """vLLM-looking processes that do not carry our marker: another tunerd's or a person's vLLM."""
+    found = []
+    wanted = f"{MARKER_ENV}={marker}".encode()
+    for pid in list_pids(proc):
+        stat = read_stat(pid, proc)
+        if stat is None or stat.state == "Z":
+            continue
+        if not (stat.comm.startswith("VLLM::") or _looks_like_vllm_server(pid, proc)):
+            continue
+        try:
+            with open(f"{proc}/{pid}/environ", "rb") as f:
+                if wanted in f.read().split(b"\0"):
+                    continue
+        except OSError:
+            pass  # not ours to read: certainly not ours
+        found.append({"pid": pid, "comm": stat.comm})
+    return found
+
+
+def _looks_like_vllm_server(pid: int, proc: str) -> bool:
+    try:
+        with open(f"{proc}/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return False
+    text = b" ".join(argv)
+    return b"vllm" in text and (b"serve" in argv or b"vllm.entrypoints.openai.api_server" in text)
+
+
+def drop_page_cache() -> str | None:
+    """sync + drop clean page cache (needs CAP_SYS_ADMIN). None on success, else why not."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+class Preflight:
+    """The checks for one pending start. A new instance per start."""
+
+    def __init__(
+        self,
+        config: Config,
+        params: EngineParams,
+        *,
+        oscalls: OsCalls,
+        marker: str,
+        reaper: LeftoverReaper,
+        gate: MemoryGate | None,
+        gpu: Callable[[], GpuFacts | None],
+        plan_check: PlanCheck | None,
+        started: float,
+    ) -> None:
+        self.config = config
+        self.params = params
+        self.os = oscalls
+        self.marker = marker
+        self.reaper = reaper
+        self.gate = gate
+        self.gpu = gpu
+        self.plan_check = plan_check
+        self.started = started
+        self.timings: dict[str, float] = {}
+        self._phase_started = started
+        self._reported: set[str] = set()
+        self._port_holder: str | None = None
+        self.baseline: MemoryGate | None = None  # set when this preflight took the first baseline
+        self.plan: PlanOutcome | None = None  # the planner's verdict, once asked
+
+    def step(self, now: float) -> PreflightStep:
+        records: list[dict[str, Any]] = []
+        for name, check in (
+            ("leftovers", self._leftovers),
+            ("port", self._port),
+            ("memory", self._memory),
+            ("page_cache", self._page_cache),
+            ("plan", self._plan),
+        ):
+            if name in self.timings:
+                continue
+            result = check(now, records)
+            if result is not None:
+                result.records[:0] = records
+                if result.failure is None and now - self.started > self.config.preflight.max_wait_s:
+                    waited = f"waited {now - self.started:.0f} s: {result.reason}"
+                    result = PreflightStep(
+                        False, None, EngineFailure(FailureKind.PREFLIGHT, waited), result.records
+                    )
+                return result
+            self.timings[name] = round(now - self._phase_started, 3)
+            self._phase_started = now
+        records.append(
+            {"event": "preflight.passed", "seconds": round(now - self.started, 3), "timings": self.timings}
+        )
+        return PreflightStep(True, records=records)
+
+    def _wait(self, key: str, reason: str, records: list[dict[str, Any]], **fields: Any) -> PreflightStep:
+        if key not in self._reported:  # journal each kind of wait once, not every tick
+            self._reported.add(key)
+            records.append({"event": "preflight.waiting", "check": key, "reason": reason, **fields})
+        return PreflightStep(False, reason, records=[])
+
+    def _leftovers(self, now: float, records: list[dict[str, Any]]) -> PreflightStep | None:
+        if "foreign" not in self._reported:
+            self._reported.add("foreign")
+            if others := foreign_engines(self.marker, self.os.proc):
+                records.append(
+                    {
+                        "event": "preflight.foreign_engine",
+                        "processes": others,
+                        "note": "not started by this tunerd: left alone",
+                    }
+                )
+        result = self.reaper.step(now, self.config.timeouts.graceful_stop_s)
+        records.extend(result.journal)
+        return None if result.clear else self._wait("leftovers", result.reason or "leftovers", records)
+
+    def _port(self, now: float, records: list[dict[str, Any]]) -> PreflightStep | None:
+        engine = self.config.engine
+        if port_is_free(engine.host, engine.port):
+            return None
+        if self._port_holder is None:  # named once per start, not at every tick of the wait
+            self._port_holder = port_holder(engine.port)
+        return self._wait("port", f"port {engine.port} is held by {self._port_holder}", records)
+
+    def _memory(self, now: float, records: list[dict[str, Any]]) -> PreflightStep | None:
+        gpu = self.gpu()
+        if gpu is None:
+            # The baseline and the gate need the GPU's free memory too, which only a poll knows.
+            return self._wait("memory", "waiting for the first reading of GPU memory", records)
+        reading = read_memory(self.config.observe.memory_proc)
+        if self.gate is None:
+            if reading.mem_available_bytes is None:
+                return None
+            pre = self.config.preflight
+            tolerance = max(
+                pre.memory_tolerance_bytes, int(reading.mem_available_bytes * pre.memory_tolerance_ratio)
+            )
+            self.gate = self.baseline = MemoryGate(reading.mem_available_bytes, tolerance, gpu.free_bytes)
+            records.append(
+                {
+                    "event": "preflight.baseline",
+                    "mem_available_bytes": reading.mem_available_bytes,
+                    "gpu_free_bytes": gpu.free_bytes,
+                    "tolerance_bytes": tolerance,
+                }
+            )
+            return None
+        back, why = memory_returned(self.gate, reading.mem_available_bytes, gpu.free_bytes)
+        return None if back else self._wait("memory", f"memory not returned yet: {why}", records)
+
+    def _page_cache(self, now: float, records: list[dict[str, Any]]) -> PreflightStep | None:
+        gpu = self.gpu()
+        if gpu is None or not gpu.unified_memory:
+            return None
+        try:
+            info = read_meminfo(self.config.observe.memory_proc)
+        except OSError:
+            return None
+        cache = page_cache_bytes(info)
+        total = info.get("MemTotal") or 0
+        if not total or cache is None or cache < total * self.config.preflight.page_cache_advice_ratio:
+            return None
+        if self.config.preflight.drop_page_cache:
+            failed = drop_page_cache()
+            records.append(
+                {
+                    "event": "preflight.page_cache_dropped"
+                    if failed is None
+                    else "preflight.page_cache_kept",
+                    "page_cache_bytes": cache,
+                    "error": failed,
+                }
+            )
+        else:
+            records.append(
+                {
+                    "event": "preflight.page_cache_advice",
+                    "page_cache_bytes": cache,
+                    "advice": f"{cache / GiB:.1f} GiB of page cache counts as used on unified memory: "
+                    "sync; echo 3 > /proc/sys/vm/drop_caches, or set preflight.drop_page_cache",
+                }
+            )
+        return None
+
+    def _plan(self, now: float, records: list[dict[str, Any]]) -> PreflightStep | None:
+        if self.plan_check is None:
+            return None
+        self.plan = self.plan_check(self.params)
+        if self.plan.refusal is None:
+            records.append({"event": "preflight.plan", "params": self.params, **self.plan.figures})
+            return None
+        records.append(
+            {
+                "event": "preflight.refused",
+                "params": self.params,
+                "reason": self.plan.refusal,
+                **self.plan.figures,
+            }
+        )
+        return PreflightStep(
+            False, None, EngineFailure(FailureKind.PLAN_REFUSED, self.plan.refusal), records=[]
+        )

@@ -1,0 +1,145 @@
+"""One start, from the queue to a spawned vLLM: preflight, then spawn (the lifecycle decides the rest).
+
+`Starter.step` is called every loop tick while a start is pending and the engine has no process. It
+answers Waiting (the preflight holds the start back: why), Refused (the start fails without a launch:
+the preflight's verdict, or the program cannot be executed) or Launched (the run).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+
+from tunerd.config import Config
+from tunerd.control.capacity import Capacity
+from tunerd.control.preflight import Preflight
+from tunerd.core.failures import EngineFailure, FailureKind
+from tunerd.core.machine import GpuFacts
+from tunerd.core.params import EngineParams
+from tunerd.engine.launch import build_argv, build_env, drain_args
+from tunerd.engine.leftovers import LeftoverReaper
+from tunerd.engine.oscalls import OsCalls
+from tunerd.engine.process import Engine, EngineRun
+from tunerd.policy.guards import MemoryGate
+from tunerd.records.recorder import Recorder
+from tunerd.records.state import DaemonState, EngineRecord
+
+
+@dataclass
+class PendingStart:
+    """A start the loop makes once `not_before` has passed and the preflight clears it."""
+
+    params: EngineParams
+    intent: int | None  # the journal intent this start fulfils
+    action: str
+    not_before: float
+    preflight: Preflight | None = None
+
+
+@dataclass(frozen=True)
+class Waiting:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Refused:
+    failure: EngineFailure
+
+
+@dataclass(frozen=True)
+class Launched:
+    run: EngineRun
+
+
+StartStep = Waiting | Refused | Launched
+
+
+class Starter:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        oscalls: OsCalls,
+        engine: Engine,
+        recorder: Recorder,
+        dstate: DaemonState,
+        save_state: Callable[[], None],
+        capacity: Capacity,
+        gpu: Callable[[], GpuFacts | None],
+        wallclock: Callable[[], datetime],
+    ) -> None:
+        self.config = config
+        self.os = oscalls
+        self.engine = engine
+        self.rec = recorder
+        self.dstate = dstate
+        self.save_state = save_state
+        self.capacity = capacity
+        self.gpu = gpu
+        self.wallclock = wallclock
+        recorded = dstate.engine.pgid if dstate.engine else None
+        self.reaper = LeftoverReaper(oscalls, dstate.instance_id, recorded)
+
+    def step(self, pending: PendingStart, now: float) -> StartStep:
+        if pending.preflight is None:
+            pending.preflight = self._preflight(pending.params, now)
+        preflight = pending.preflight
+        result = preflight.step(now)
+        for record in result.records:
+            self.rec.record(record.pop("event"), **record)
+        if preflight.baseline is not None:
+            self._save_baseline(preflight.baseline)
+            preflight.baseline = None
+        if result.failure is not None:
+            self.rec.record("engine.start_refused", failure=result.failure.as_dict(), params=pending.params)
+            return Refused(result.failure)
+        if not result.clear:
+            return Waiting(result.reason or "preflight")
+        return self._spawn(pending, now)
+
+    def _preflight(self, params: EngineParams, now: float) -> Preflight:
+        baseline = self.dstate.baseline
+        return Preflight(
+            self.config,
+            params,
+            oscalls=self.os,
+            marker=self.dstate.instance_id,
+            reaper=self.reaper,
+            gate=MemoryGate(**baseline) if baseline else None,  # type: ignore[arg-type]
+            gpu=self.gpu,
+            plan_check=self.capacity.check,
+            started=now,
+        )
+
+    def _save_baseline(self, gate: MemoryGate) -> None:
+        self.dstate.baseline = {
+            "baseline_available_bytes": gate.baseline_available_bytes,
+            "tolerance_bytes": gate.tolerance_bytes,
+            "baseline_gpu_free_bytes": gate.baseline_gpu_free_bytes,
+        }
+        self.save_state()
+
+    def _spawn(self, pending: PendingStart, now: float) -> StartStep:
+        engine_cfg = self.config.engine
+        argv = build_argv(engine_cfg, pending.params) + drain_args(
+            self.config, self.dstate.capabilities or {}
+        )
+        try:
+            run = self.engine.spawn(argv, build_env(engine_cfg), pending.params, now, self.wallclock())
+        except OSError as exc:
+            failure = EngineFailure(FailureKind.SPAWN_FAILED, f"cannot execute {argv[0]}: {exc}")
+            self.rec.record("engine.failed", phase="spawn", failure=failure.as_dict())
+            return Refused(failure)
+        host = "127.0.0.1" if engine_cfg.host in ("0.0.0.0", "") else engine_cfg.host
+        run.base_url = f"http://{host}:{engine_cfg.port}"
+        plan = pending.preflight.plan if pending.preflight else None
+        run.predicted_kv_tokens = plan.predicted_kv_tokens if plan else None
+        self.dstate.engine = EngineRecord(
+            pid=run.pid, pgid=run.pgid, started=run.started_wall.isoformat(), log=str(run.log_path)
+        )
+        self.save_state()
+        self.rec.record(
+            "engine.spawned", pid=run.pid, argv=argv, log=str(run.log_path), intent=pending.intent
+        )
+        return Launched(run)

@@ -1,0 +1,361 @@
+"""Calibration: what vLLM reported about memory at a start, and the non-KV memory it implies (pure).
+
+The non-KV part of vLLM's memory (CPU: the worker's RSS; GPU: weights + activation peak + non-torch +
+CUDA graphs) cannot be derived from the model directory. One start tells it: `parse_calibration` reads
+vLLM's start-up lines, `calibrate` turns them into exact non-KV bounds, `combine_calibrations` merges
+several starts of one configuration (`calibration_key`). Calibrating from the exact token count pins the
+KV memory to one block; the GiB figures in the log are rounded to 2 decimals and are only used where
+nothing better exists. Which stored calibration applies is `pick_calibration`; the file itself is
+`tunerd.records.calibrations`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from tunerd.core.machine import MemoryFacts
+from tunerd.core.model import ModelInfo
+from tunerd.core.params import Backend, EngineParams
+from tunerd.core.units import GiB
+from tunerd.planner.device_memory import DEFAULT_GPU_MEMORY_UTILIZATION, utilization_total
+from tunerd.planner.kv_math import (
+    KVEstimateUnavailable,
+    KVLayout,
+    blocks_from_logged_tokens,
+    default_block_size,
+    kv_layout,
+)
+
+_RE_KV_SIZE = re.compile(
+    r"(?:(GPU|CPU|XPU|TPU|HPU)(?: \+ host)? )?KV cache size: ([\d,]+) tokens"
+    r"(?:, Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x)?"
+)
+_RE_CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
+_RE_AVAILABLE_KV = re.compile(r"Available KV cache memory: ([\d.]+) GiB")
+_RE_MODEL_LOADING = re.compile(r"Model loading took ([\d.]+) GiB")
+_RE_CPU_AUTO = re.compile(
+    r"Auto set \(([\d.]+)/([\d.]+)\) GiB for KV cache on node (\d+), with ([\d.]+) GiB requested memory"
+    r" for the worker\. ([\d.]+) GiB memory was consumed by non-kv usages"
+)
+_RE_CPU_EXPLICIT = re.compile(r"Explicitly set \(([\d.]+)/([\d.]+)\) GiB for KV cache on node (\d+)")
+_RE_GPU_EXPLICIT = re.compile(
+    r"reserved ([\d.]+) GiB memory for KV Cache as specified by kv_cache_memory_bytes"
+)
+_RE_ESTIMATE = re.compile(
+    r"max seq len \((\d+)\).*?(?:the estimated maximum model length is (\d+))?\. Try increasing"
+)
+_RE_ESTIMATE_ONLY = re.compile(r"estimated maximum model length is (\d+)")
+_RE_FREE_AT_START = re.compile(
+    r"Free memory on device (\S+) \(([\d.]+)/([\d.]+) GiB\) on startup is less than desired GPU memory "
+    r"utilization \(([\d.]+), ([\d.]+) GiB\)"
+)
+_RE_VERSION = re.compile(r"Initializing a V1 LLM engine \(v([^)]+)\)")
+_RE_MAX_SEQ_LEN = re.compile(r"max_seq_len=(\d+)")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What one vLLM start reported about memory, plus (after `calibrate`) the non-KV memory it implies.
+
+    Log fields are None when the line was absent. GiB figures are as logged (rounded to 2 decimals).
+    Derived fields (`num_blocks` onwards) are filled by `calibrate()`: `non_kv_low..non_kv_high` is the
+    exact integer range of the non-KV memory (CPU: worker RSS; GPU: weights + activations + non-torch +
+    CUDA graphs) consistent with the logged token count; `non_kv_bytes` its midpoint; `samples` how many
+    starts were combined (`combine_calibrations`).
+    """
+
+    device: str | None = None
+    kv_cache_tokens: int | None = None
+    kv_max_model_len: int | None = None
+    max_concurrency: float | None = None
+    available_kv_gib: float | None = None
+    model_loading_gib: float | None = None
+    cpu_kv_gib: float | None = None
+    cpu_node_total_gib: float | None = None
+    cpu_node: int | None = None
+    cpu_requested_gib: float | None = None
+    cpu_non_kv_gib: float | None = None
+    cpu_kv_explicit: bool | None = None
+    gpu_kv_explicit_gib: float | None = None
+    refused_max_model_len: int | None = None
+    estimated_max_model_len: int | None = None
+    free_at_start_gib: float | None = None
+    total_at_start_gib: float | None = None
+    requested_at_start_gib: float | None = None
+    vllm_version: str | None = None
+    # Derived by calibrate() / combine_calibrations():
+    backend: str | None = None
+    gpu_memory_utilization: float | None = None
+    kv_cache_memory_bytes: int | None = None
+    block_size: int | None = None
+    bytes_per_block: int | None = None
+    num_blocks: int | None = None
+    total_bytes: int | None = None
+    requested_bytes: int | None = None
+    kv_pool_low: int | None = None
+    kv_pool_high: int | None = None
+    non_kv_low: int | None = None
+    non_kv_high: int | None = None
+    non_kv_bytes: int | None = None
+    samples: int = 0
+    notes: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["notes"] = list(self.notes)
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Calibration:
+        known = {f for f in cls.__dataclass_fields__}
+        values = {k: v for k, v in data.items() if k in known}
+        values["notes"] = tuple(values.get("notes") or ())
+        return cls(**values)
+
+
+def _num(text: str) -> int:
+    return int(text.replace(",", ""))
+
+
+def parse_calibration(lines: Iterable[str]) -> Calibration:
+    """Extract vLLM's own memory report from start-up log lines (any vLLM version seen: 0.24 GPU, 0.32 CPU).
+
+    Recognized: "KV cache size: N tokens[, Maximum concurrency for L tokens per request: Cx]" (and the
+    separate concurrency line of older versions), "Available KV cache memory: X GiB", "Model loading took X
+    GiB", the CPU worker's "Auto set (X/Y) GiB for KV cache on node N, with R GiB requested memory ... Z GiB
+    memory was consumed by non-kv usages" and "Explicitly set (X/Y) GiB", the refusal's "max seq len (L) ...
+    the estimated maximum model length is N", and "Free memory on device ... (F/T GiB) on startup is less
+    than desired GPU memory utilization (U, R GiB)". The first occurrence of each wins.
+    """
+    found: dict[str, Any] = {}
+
+    def put(key: str, value: Any) -> None:
+        found.setdefault(key, value)
+
+    for line in lines:
+        if m := _RE_KV_SIZE.search(line):
+            put("device", m.group(1))
+            put("kv_cache_tokens", _num(m.group(2)))
+            if m.group(3):
+                put("kv_max_model_len", _num(m.group(3)))
+                put("max_concurrency", float(m.group(4)))
+        if (m := _RE_CONCURRENCY.search(line)) and "kv_max_model_len" not in found:
+            put("kv_max_model_len", _num(m.group(1)))
+            put("max_concurrency", float(m.group(2)))
+        if m := _RE_AVAILABLE_KV.search(line):
+            put("available_kv_gib", float(m.group(1)))
+        if m := _RE_MODEL_LOADING.search(line):
+            put("model_loading_gib", float(m.group(1)))
+        if m := _RE_CPU_AUTO.search(line):
+            put("cpu_kv_gib", float(m.group(1)))
+            put("cpu_node_total_gib", float(m.group(2)))
+            put("cpu_node", int(m.group(3)))
+            put("cpu_requested_gib", float(m.group(4)))
+            put("cpu_non_kv_gib", float(m.group(5)))
+            put("cpu_kv_explicit", False)
+        if m := _RE_CPU_EXPLICIT.search(line):
+            put("cpu_kv_gib", float(m.group(1)))
+            put("cpu_node_total_gib", float(m.group(2)))
+            put("cpu_node", int(m.group(3)))
+            put("cpu_kv_explicit", True)
+        if m := _RE_GPU_EXPLICIT.search(line):
+            put("gpu_kv_explicit_gib", float(m.group(1)))
+        if "max seq len" in line and (m := _RE_ESTIMATE.search(line)):
+            put("refused_max_model_len", int(m.group(1)))
+            put("estimated_max_model_len", int(m.group(2)) if m.group(2) else 0)
+        elif m := _RE_ESTIMATE_ONLY.search(line):
+            put("estimated_max_model_len", int(m.group(1)))
+        if m := _RE_FREE_AT_START.search(line):
+            put("free_at_start_gib", float(m.group(2)))
+            put("total_at_start_gib", float(m.group(3)))
+            put("requested_at_start_gib", float(m.group(5)))
+        if m := _RE_VERSION.search(line):
+            put("vllm_version", m.group(1))
+        if (m := _RE_MAX_SEQ_LEN.search(line)) and "Initializing" in line:
+            put("_max_seq_len", int(m.group(1)))
+    max_seq_len = found.pop("_max_seq_len", None)
+    if "kv_max_model_len" not in found and max_seq_len is not None:
+        found["kv_max_model_len"] = max_seq_len
+    return Calibration(**found)
+
+
+def gib_interval(gib: float) -> tuple[int, int]:
+    """The byte range a GiB figure rounded to 2 decimals (vLLM `format_gib`) can stand for."""
+    return math.ceil((gib - 0.005) * GiB), math.floor((gib + 0.005) * GiB)
+
+
+def calibrate(
+    parsed: Calibration,
+    model: ModelInfo,
+    params: EngineParams,
+    facts: MemoryFacts,
+    *,
+    backend: Backend,
+) -> Calibration:
+    """Turn a parsed start-up report into non-KV memory bounds for the next prediction.
+
+    The logged token count gives num_blocks exactly (`blocks_from_logged_tokens`), so the KV memory vLLM
+    had is known to within one block: [num_blocks × bytes_per_block, (num_blocks + 1) × bytes_per_block).
+    The rounded GiB figure narrows that only when a block is larger than ~10 MB. On the
+    `gpu_memory_utilization` path, non-KV = ceil(total × util) − KV memory (CPU: the worker's RSS;
+    GPU: `requested_memory − available_kv_cache_memory`). `facts` must be those measured for that start
+    (the total is read from them; without them the logged, rounded totals are used and the range widens).
+    On the explicit `--kv-cache-memory-bytes` path nothing about non-KV memory is logged; the calibration
+    then only checks the planner's block arithmetic against vLLM's (a mismatch becomes a note).
+    """
+    notes: list[str] = []
+    block_size = params.block_size or default_block_size(model, backend)
+    try:
+        layout = kv_layout(model, params.kv_cache_dtype, block_size)
+    except KVEstimateUnavailable as exc:
+        return replace(parsed, backend=backend, notes=(f"not calibrated: {exc}",))
+    bpb = layout.bytes_per_block
+    max_len = parsed.kv_max_model_len or params.max_model_len or model.max_model_len
+    num_blocks, pool_low, pool_high = _kv_pool_from_log(parsed, max_len, layout, backend, notes)
+    util = params.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+    explicit = params.kv_cache_memory_bytes
+    if explicit is not None and num_blocks is not None and num_blocks != explicit // bpb:
+        notes.append(
+            f"vLLM made {num_blocks} blocks of {explicit} bytes, the planner {explicit // bpb} "
+            f"({bpb} bytes per block): the KV layout model does not match this model"
+        )
+    total, _ = utilization_total(backend, facts)
+    requested: int | None = None
+    non_kv_low = non_kv_high = None
+    if explicit is None and pool_low is not None and pool_high is not None:
+        if total is not None:
+            requested = math.ceil(total * util)
+            non_kv_low, non_kv_high = requested - pool_high, requested - pool_low
+        elif backend == "cpu" and parsed.cpu_requested_gib is not None:
+            req_low, req_high = gib_interval(parsed.cpu_requested_gib)
+            non_kv_low, non_kv_high = req_low - pool_high, req_high - pool_low
+            notes.append("node MemTotal not measured: calibrated from the rounded GiB in the log")
+    non_kv = None if non_kv_low is None or non_kv_high is None else (non_kv_low + non_kv_high) // 2
+    return replace(
+        parsed,
+        backend=backend,
+        gpu_memory_utilization=None if explicit is not None else util,
+        kv_cache_memory_bytes=explicit,
+        block_size=block_size,
+        bytes_per_block=bpb,
+        num_blocks=num_blocks,
+        total_bytes=total,
+        requested_bytes=requested,
+        kv_pool_low=pool_low,
+        kv_pool_high=pool_high,
+        non_kv_low=non_kv_low,
+        non_kv_high=non_kv_high,
+        non_kv_bytes=non_kv,
+        samples=1 if non_kv is not None else 0,
+        notes=tuple(notes),
+    )
+
+
+def _kv_pool_from_log(
+    parsed: Calibration, max_len: int | None, layout: KVLayout, backend: Backend, notes: list[str]
+) -> tuple[int | None, int | None, int | None]:
+    """(num_blocks, lowest, highest KV pool bytes) that vLLM's log allows; appends to `notes` where the
+    log and the planner's block arithmetic disagree.
+
+    The exact token count (or a refusal's estimate) fixes num_blocks and so the pool to one block; the
+    logged, rounded GiB figure narrows that range or, without a count, is the range.
+    """
+    bpb, block_size = layout.bytes_per_block, layout.block_size
+    num_blocks: int | None = None
+    pool_low = pool_high = None
+    if parsed.kv_cache_tokens is not None and max_len:
+        try:
+            num_blocks = blocks_from_logged_tokens(parsed.kv_cache_tokens, max_len, block_size)
+            pool_low, pool_high = num_blocks * bpb, (num_blocks + 1) * bpb - 1
+        except ValueError as exc:
+            notes.append(f"token count does not match the planner's block arithmetic: {exc}")
+    elif (
+        parsed.estimated_max_model_len
+        and parsed.refused_max_model_len
+        and parsed.estimated_max_model_len < parsed.refused_max_model_len
+    ):
+        # A refused start: vLLM's estimate is (usable blocks) × block_size, usable = num_blocks − 1.
+        num_blocks = parsed.estimated_max_model_len // block_size + 1
+        pool_low, pool_high = num_blocks * bpb, (num_blocks + 1) * bpb - 1
+        notes.append("calibrated from a refused start's estimated maximum model length")
+    logged_kv_gib = parsed.available_kv_gib if backend == "cuda" else parsed.cpu_kv_gib
+    if logged_kv_gib is not None:
+        low, high = gib_interval(logged_kv_gib)
+        if pool_low is None or pool_high is None:
+            pool_low, pool_high = low, high
+        elif max(pool_low, low) <= min(pool_high, high):
+            pool_low, pool_high = max(pool_low, low), min(pool_high, high)
+        else:
+            notes.append(f"logged {logged_kv_gib} GiB disagrees with {num_blocks} blocks of {bpb} bytes")
+    return num_blocks, pool_low, pool_high
+
+
+def combine_calibrations(calibrations: Sequence[Calibration]) -> Calibration | None:
+    """Merge several starts' calibrations of one configuration: the envelope of their non-KV ranges
+    (it covers the start-to-start jitter seen so far) and the median of their midpoints as the point."""
+    usable = [c for c in calibrations if c.non_kv_low is not None and c.non_kv_high is not None]
+    if not usable:
+        return calibrations[-1] if calibrations else None
+    if len(usable) == 1:
+        return usable[0]
+    latest = usable[-1]
+    lows = [c.non_kv_low for c in usable if c.non_kv_low is not None]
+    highs = [c.non_kv_high for c in usable if c.non_kv_high is not None]
+    mids = [c.non_kv_bytes for c in usable if c.non_kv_bytes is not None]
+    return replace(
+        latest,
+        non_kv_low=min(lows),
+        non_kv_high=max(highs),
+        non_kv_bytes=int(statistics.median(mids)),
+        samples=len(usable),
+        notes=(*latest.notes, f"combined from {len(usable)} starts"),
+    )
+
+
+def calibration_key(model: ModelInfo, params: EngineParams, backend: Backend) -> str:
+    """Store key: model identity, backend, and the parameters that change non-KV memory.
+
+    Non-KV memory depends on the batch shape (max_num_seqs, max_num_batched_tokens → activation peak,
+    sampler buffers, CUDA-graph sizes), chunked prefill (changes the batched-token default), CPU offload
+    (weights leave the device) and the block tables (max_num_seqs × cdiv(max_model_len, block_size) int32
+    entries: 32 MiB at 1024 sequences of 128k tokens). Utilization and KV dtype only move the KV part, so
+    starts at different utilizations share a key.
+    """
+    parts = [
+        model.identity,
+        backend,
+        f"len={params.max_model_len}",
+        f"block={params.block_size}",
+        f"seqs={params.max_num_seqs}",
+        f"batched={params.max_num_batched_tokens}",
+        f"chunked={params.enable_chunked_prefill}",
+        f"offload={params.cpu_offload_gb}",
+    ]
+    return "|".join(str(p) for p in parts)
+
+
+def pick_calibration(
+    entries: Mapping[str, Sequence[Mapping[str, Any]]],
+    model: ModelInfo,
+    params: EngineParams,
+    backend: Backend,
+) -> Calibration | None:
+    """From stored calibration records (key → records, oldest first): the combined calibration of this
+    configuration, else the newest of the same model and backend (with a note saying so), else None."""
+    key = calibration_key(model, params, backend)
+    if entries.get(key):
+        return combine_calibrations([Calibration.from_json(r) for r in entries[key]])
+    prefix = f"{model.identity}|{backend}|"
+    others = [k for k in entries if k.startswith(prefix) and entries[k]]
+    if not others:
+        return None
+    newest = max(others, key=lambda k: entries[k][-1].get("_stored_at", 0))
+    cal = combine_calibrations([Calibration.from_json(r) for r in entries[newest]])
+    if cal is None:
+        return None
+    return replace(cal, notes=(*cal.notes, f"from another configuration ({newest.split('|', 2)[2]})"))

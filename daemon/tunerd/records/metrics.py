@@ -1,0 +1,106 @@
+"""tunerd's own Prometheus metrics (tunerd_*), in one registry per daemon.
+
+The main loop sets them as things happen; the HTTP face serves the registry. Names follow the exporter
+conventions: `tunerd_` prefix, base units, counters end in `_total`, an `_up` gauge for the scrape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from tunerd.core.states import EngineState
+
+# Signal units (observe/signals.py) → Prometheus base-unit suffixes (exporter naming conventions).
+_UNIT_SUFFIX = {
+    "ratio 0..1": "ratio",
+    "1/0": "",
+    "1/s": "per_second",
+    "s": "seconds",
+    "bytes": "bytes",
+    "bytes/s": "bytes_per_second",
+    "tokens": "tokens",
+    "tokens/s": "tokens_per_second",
+    "pages/s": "pages_per_second",
+    "percent": "percent",
+    "requests": "",
+}
+
+
+def signal_metric_name(signal_name: str, unit: str) -> str:
+    """`kv_cache.usage` in `ratio 0..1` → `tunerd_signal_kv_cache_usage_ratio`.
+
+    The unit's suffix is left out when the name already says it (`host.mem_available_bytes_min`).
+    """
+    words = signal_name.replace(".", "_").replace("-", "_")
+    suffix = _UNIT_SUFFIX.get(unit, "")
+    if suffix and suffix.split("_")[0] in words.split("_"):
+        suffix = ""
+    return f"tunerd_signal_{words}" + (f"_{suffix}" if suffix else "")
+
+
+class Metrics:
+    """The tunerd_* families in one registry (a fresh one per daemon; tests pass their own)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.engine_up = Gauge(
+            "tunerd_engine_up", "1 when vLLM is RUNNING (its /health answered 200)", registry=r
+        )
+        self.engine_state = Gauge(
+            "tunerd_engine_state",
+            "Engine state: " + ", ".join(f"{s.value}={s.name}" for s in EngineState),
+            registry=r,
+        )
+        self.restarts = Counter(
+            "tunerd_engine_restarts",
+            "Engine failures that led to a restart, by classified reason",
+            ["reason"],
+            registry=r,
+        )
+        self.scrape_up = Gauge(
+            "tunerd_engine_scrape_up", "1 when the last scrape of vLLM's /metrics worked", registry=r
+        )
+        self.param = Gauge(
+            "tunerd_param", "Engine parameters in force (booleans as 0/1)", ["name"], registry=r
+        )
+        self.kv_cache_tokens = Gauge(
+            "tunerd_engine_kv_cache_tokens", "KV-cache capacity vLLM reported at its last start", registry=r
+        )
+        self.reload_ok = Gauge(
+            "tunerd_config_last_reload_successful", "1 when the last config (re)load succeeded", registry=r
+        )
+        self.reload_time = Gauge(
+            "tunerd_config_last_reload_success_timestamp_seconds", "When the config last loaded", registry=r
+        )
+        self.journal_errors = Counter(
+            "tunerd_journal_write_errors", "Journal records that could not be made durable", registry=r
+        )
+        self.reload_ok.set(1)
+        self._signal_gauges: dict[str, Gauge] = {}
+        self._params_seen: set[str] = set()
+
+    def set_engine(self, state: EngineState) -> None:
+        self.engine_state.set(state.value)
+        self.engine_up.set(1 if state is EngineState.RUNNING else 0)
+
+    def set_params(self, params: Mapping[str, Any]) -> None:
+        for name in self._params_seen - set(params):
+            self.param.remove(name)
+        for name, value in params.items():
+            if isinstance(value, (int, float)):
+                self.param.labels(name=name).set(float(value))
+        self._params_seen = {n for n, v in params.items() if isinstance(v, (int, float))}
+
+    def set_signals(self, values: Mapping[str, float | None], units: Mapping[str, str]) -> None:
+        """One gauge per signal; a signal without a value is NaN (unknown), never 0."""
+        for name, value in values.items():
+            gauge = self._signal_gauges.get(name)
+            if gauge is None:
+                metric = signal_metric_name(name, units.get(name, ""))
+                gauge = Gauge(metric, f"tunerd signal {name} ({units.get(name, '')})", registry=self.registry)
+                self._signal_gauges[name] = gauge
+            gauge.set(float("nan") if value is None else value)

@@ -1,0 +1,77 @@
+"""Durable daemon state: instance id, last-known-good parameters, the engine process last started.
+
+One JSON file, replaced atomically (write, fsync, rename, fsync dir) on every change, so a crash
+leaves the previous or the new state and never a mix. The journal says what happened; this file
+says what is true now.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tunerd.records.durable import atomic_write
+
+
+class EngineRecord(BaseModel):
+    """The vLLM process tree tunerd started last; cleared once it is known to be gone."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    pid: int
+    pgid: int
+    started: str
+    log: str | None = None
+
+
+class DaemonState(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    # Marks every process tunerd starts (TUNERD_INSTANCE=<id> in its environment) so leftovers of this
+    # daemon can be told apart from a vLLM someone else started on the same machine.
+    instance_id: str = Field(default_factory=lambda: uuid.uuid4().hex[:16])
+    # The [engine.params] of the config the last-known-good set was derived from: when the operator
+    # edits them, their edit wins over tuned values.
+    base_params: dict[str, Any] | None = None
+    last_known_good: dict[str, Any] | None = None
+    # False after an upgrade (vLLM, driver, model) until a start with the last-known-good set succeeds.
+    known_good_verified: bool = True
+    engine: EngineRecord | None = None
+    # Free memory before the first start (the memory-return gate's baseline); reset by resume/reload.
+    baseline: dict[str, int | None] | None = None
+    # vLLM version, driver/CUDA versions and model identity at the last successful start.
+    identity: dict[str, Any] | None = None
+    # What `<command> --help` showed, per command (checked once; vLLM imports take 10-20 s).
+    capabilities: dict[str, Any] | None = None
+
+
+class StateStore:
+    """Loads and saves `DaemonState` at one path."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    def load(self) -> tuple[DaemonState, str | None]:
+        """The saved state, or a fresh one. Second item: a warning when the file was unreadable.
+
+        An unreadable file is renamed to `<path>.corrupt` (kept for the operator), never silently lost.
+        """
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return DaemonState(), None
+        try:
+            return DaemonState.model_validate(json.loads(raw)), None
+        except (ValueError, ValidationError) as exc:
+            aside = self.path.with_name(self.path.name + ".corrupt")
+            os.replace(self.path, aside)
+            return DaemonState(), f"state file {self.path} unreadable ({exc}); moved to {aside}"
+
+    def save(self, state: DaemonState) -> None:
+        """Atomically replace the state file. Raises OSError."""
+        atomic_write(self.path, state.model_dump_json(indent=2).encode() + b"\n")
