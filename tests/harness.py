@@ -37,6 +37,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def short_socket_path(workdir: Path) -> str:
+    """A unix socket path for a daemon under `workdir` that fits the 107 bytes a socket path may have
+    (pytest's temporary directories are often longer)."""
+    candidate = workdir / "tunerd.sock"
+    if len(os.fsencode(candidate)) <= 100:
+        return str(candidate)
+    import hashlib
+
+    digest = hashlib.sha256(str(workdir).encode()).hexdigest()[:12]
+    return f"/tmp/tunerd-test-{digest}.sock"
+
+
 def toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -79,8 +91,14 @@ class Daemon:
 
     def write_config(self, sections: dict[str, dict[str, Any]]) -> None:
         self.sections = sections
-        sections.setdefault("paths", {})["state_dir"] = str(self.state_dir)
+        paths = sections.setdefault("paths", {})
+        paths["state_dir"] = str(self.state_dir)
+        paths.setdefault("socket", short_socket_path(self.workdir))
         self.config_path.write_text(render_config(sections))
+
+    @property
+    def socket_path(self) -> str:
+        return str(self.sections["paths"]["socket"])
 
     # -- life --------------------------------------------------------------------------------------
 
@@ -158,6 +176,12 @@ class Daemon:
     def status(self) -> dict[str, Any]:
         address = (self.state_dir / "export.addr").read_text().strip()
         return httpx.get(f"http://{address}/status", timeout=5, trust_env=False).json()
+
+    def command(self, name: str, body: dict[str, Any] | None = None) -> httpx.Response:
+        """POST an operator command over the daemon's unix socket, as `tunerd restart` does."""
+        transport = httpx.HTTPTransport(uds=self.socket_path)
+        with httpx.Client(transport=transport, timeout=5, trust_env=False) as client:
+            return client.post(f"http://tunerd/{name}", json=body or {})
 
     def metrics_text(self) -> str:
         address = (self.state_dir / "export.addr").read_text().strip()

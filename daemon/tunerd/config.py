@@ -19,6 +19,7 @@ DEFAULT_CONFIG_PATH = "/etc/tunerd/tunerd.toml"
 CONFIG_ENV = "TUNERD_CONFIG"
 
 PositiveSeconds = Annotated[float, Field(gt=0)]
+MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 
 
 class _Section(BaseModel):
@@ -69,6 +70,7 @@ class EngineConfig(_Section):
 class TimeoutsConfig(_Section):
     startup_s: PositiveSeconds = 900.0
     graceful_stop_s: PositiveSeconds = 30.0
+    unready_stop_s: PositiveSeconds = 5.0
     drain_s: float = Field(default=20.0, ge=0)
     health_interval_s: PositiveSeconds = 5.0
     health_timeout_s: PositiveSeconds = 2.0
@@ -93,7 +95,24 @@ class BackoffConfig(_Section):
 class PathsConfig(_Section):
     state_dir: Path = Path("/var/lib/tunerd")
     journal: Path | None = None
+    socket: Path | None = None
     engine_logs_kept: int = Field(default=10, ge=1)
+
+    @model_validator(mode="after")
+    def _socket_path_fits(self) -> PathsConfig:
+        length = len(os.fsencode(self.socket_path))
+        if length > MAX_SOCKET_PATH:
+            key = "socket" if self.socket is not None else "state_dir"
+            raise ValueError(
+                f"{key}: the operator socket {self.socket_path} is {length} bytes long, over the "
+                f"{MAX_SOCKET_PATH} a unix socket allows: set paths.socket to a shorter path"
+            )
+        return self
+
+    @property
+    def socket_path(self) -> Path:
+        """The operator socket (`tunerd restart`, `resume` …): `socket`, else state_dir/tunerd.sock."""
+        return self.socket if self.socket is not None else self.state_dir / "tunerd.sock"
 
     @property
     def journal_path(self) -> Path:

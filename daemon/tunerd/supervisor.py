@@ -12,8 +12,8 @@ import os
 import queue
 import signal
 import time
+import traceback
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -30,11 +30,12 @@ from tunerd.engine.launch import build_env
 from tunerd.engine.oscalls import OsCalls
 from tunerd.faces.http import Exporter
 from tunerd.faces.logs import configure_logging
+from tunerd.faces.operator import Command, OperatorSocket
 from tunerd.faces.status import DaemonFacts, build_status
 from tunerd.faces.systemd import Notifier
 from tunerd.observe.health import HealthResult
 from tunerd.observe.identity import Capabilities, EngineIdentity, probe_capabilities
-from tunerd.observe.jobs import ObserveJobs
+from tunerd.observe.jobs import WAKE, ObserveJobs
 from tunerd.observe.poller import PollSample, PollTarget
 from tunerd.observe.signals import SIGNALS, SignalWindow
 from tunerd.records.durable import atomic_write
@@ -44,6 +45,7 @@ from tunerd.records.recorder import Recorder
 from tunerd.records.state import StateStore
 
 EX_OK = 0
+EX_SOFTWARE = 70  # sysexits.h: internal software error (an unhandled exception in the loop)
 EX_CONFIG = 78  # sysexits.h: configuration error (RestartPreventExitStatus in the unit)
 
 SIGNAL_UNITS = {spec.name: spec.unit for spec in SIGNALS}
@@ -53,14 +55,6 @@ log = structlog.get_logger("tunerd")
 
 class DaemonSetupError(Exception):
     """The daemon cannot run with this config (e.g. journal unwritable). Message: `key: reason`."""
-
-
-@dataclass(frozen=True)
-class Command:
-    """An operator command posted by the local HTTP endpoint (`tunerd resume`, `tunerd restart`)."""
-
-    name: str
-    payload: dict[str, Any] = field(default_factory=dict)
 
 
 class Supervisor:
@@ -91,6 +85,7 @@ class Supervisor:
         self.window = SignalWindow(config.observe.window_s)
         self.signals: Mapping[str, float | None] = {}  # the window returns a fresh mapping per poll
         self.exporter: Exporter | None = None
+        self.operator: OperatorSocket | None = None
         self.lifecycle: Lifecycle | None = None
         self.reload_requested = False
         self.shutting_down = False
@@ -118,6 +113,7 @@ class Supervisor:
         if report.aborted_intents:
             log.warning("journal.intents_aborted", intents=report.aborted_intents)
         self._start_exporter()
+        self._start_operator_socket()
         self.lifecycle = Lifecycle(
             self.config,
             oscalls=self.os,
@@ -127,6 +123,7 @@ class Supervisor:
             metrics=self.metrics,
             on_status_change=lambda: self.notifier.status(self._status_line()),
             background=self.jobs.run_once,
+            submit=self.jobs.submit,
             monotonic=self.monotonic,
             wallclock=self.wallclock,
         )
@@ -140,8 +137,9 @@ class Supervisor:
         export = self.config.export
         if not export.enabled:
             return
+        socket_path = str(self.config.paths.socket_path)
         try:
-            self.exporter = Exporter(export.host, export.port, self.metrics, self._post_command)
+            self.exporter = Exporter(export.host, export.port, self.metrics, socket_path)
         except OSError as exc:
             raise DaemonSetupError(
                 f"export.port: cannot listen on {export.host}:{export.port}: {exc.strerror}"
@@ -150,40 +148,73 @@ class Supervisor:
         atomic_write(self.config.paths.export_address_file, f"{host}:{port}\n".encode())
         self.exporter.start()
 
-    def _post_command(self, name: str, payload: dict[str, Any]) -> str | None:
-        """HTTP thread: validate what can be validated without state, then enqueue. None = accepted."""
-        if name == "restart":
+    def _start_operator_socket(self) -> None:
+        path = str(self.config.paths.socket_path)
+        try:
+            self.operator = OperatorSocket(path, self._accept_command)
+        except OSError as exc:
+            raise DaemonSetupError(f"paths.socket: cannot listen on {path}: {exc.strerror or exc}") from exc
+        self.operator.start()
+
+    def _accept_command(self, command: Command) -> str | None:
+        """Handler thread: validate what can be validated without the loop's state, then enqueue.
+        None = accepted; else why not."""
+        if command.name == "restart":
             try:
-                self.config.engine.params.replace(**payload.get("params", {}))
+                self.config.engine.params.replace(**command.params)
             except ValueError as exc:
                 return str(exc).splitlines()[0]
-        self.events.put(Command(name, payload))
+        self.events.put(command)
         return None
 
     # -- the loop --------------------------------------------------------------------------------
 
     def run(self) -> int:
-        """Run until shut down. Returns the process exit status."""
+        """Run until shut down. Returns the process exit status: 0 after a clean shutdown, 70 after an
+        unhandled exception in the loop (journaled, vLLM stopped first: never left unsupervised)."""
         lifecycle = self.lifecycle
         assert lifecycle is not None
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda signum, _frame: self.events.put(signum))
         self.jobs.start()
-        if lifecycle.needs_capabilities():
-            command, env = list(self.config.engine.command), build_env(self.config.engine)
-            self.jobs.run_once(lambda: probe_capabilities(command, env))
+        self._probe_capabilities_if_needed()
         self.notifier.ready(self._status_line())
         try:
             while self.exit_code is None:
                 self._wait_and_handle_events()
                 self._step(self.monotonic())
                 self.notifier.watchdog(self.monotonic())
+        except Exception as exc:  # gunicorn's arbiter: log it, stop the children, exit
+            self._crashed(exc)
         finally:
             self.jobs.stop()
-            if self.exporter is not None:
-                self.exporter.stop()
+            for face in (self.exporter, self.operator):
+                if face is not None:
+                    face.stop()
             self.journal.close()
         return self.exit_code
+
+    def _probe_capabilities_if_needed(self) -> None:
+        """Ask `<command> --help` what the installed vLLM offers, once per engine command."""
+        assert self.lifecycle is not None
+        if self.lifecycle.needs_capabilities():
+            command, env = list(self.config.engine.command), build_env(self.config.engine)
+            self.jobs.run_once(lambda: probe_capabilities(command, env))
+
+    def _crashed(self, exc: Exception) -> None:
+        """An unhandled exception in the loop: journal it, stop vLLM (bounded), exit 70 so that systemd
+        restarts the daemon, whose next start reaps anything left by the marker."""
+        detail = "".join(traceback.format_exception(exc))
+        log.error("daemon.crashed", error=f"{type(exc).__name__}: {exc}", traceback=detail)
+        self.recorder.record("daemon.crashed", error=f"{type(exc).__name__}: {exc}", traceback=detail[-4000:])
+        self.notifier.stopping("stopping vLLM: tunerd hit an internal error")
+        self.exit_code = EX_SOFTWARE
+        assert self.lifecycle is not None
+        try:
+            self.lifecycle.stop_now(self.monotonic, sleep=time.sleep)
+        except Exception as again:  # the engine itself is what failed: the process group still goes
+            log.error("daemon.crash_stop_failed", error=f"{type(again).__name__}: {again}")
+            self.lifecycle.kill_now()
 
     def _wait_and_handle_events(self) -> None:
         busy = self.lifecycle is not None and self.lifecycle.engine.run is not None
@@ -220,6 +251,10 @@ class Supervisor:
             lifecycle.on_calibration(event)
         elif isinstance(event, Command):
             self._on_command(event)
+        elif event == WAKE:
+            pass  # a submitted job finished: the step that follows looks at it
+        else:
+            log.warning("daemon.unknown_event", event_type=type(event).__name__)
 
     def _step(self, now: float) -> None:
         lifecycle = self.lifecycle
@@ -283,8 +318,8 @@ class Supervisor:
         if command.name == "resume":
             lifecycle.resume("operator resume")
         elif command.name == "restart":
-            params = lifecycle.params.replace(**command.payload.get("params", {}))
-            reason = command.payload.get("reason") or "operator restart"
+            params = lifecycle.params.replace(**command.params)
+            reason = command.reason or "operator restart"
             lifecycle.restart(params, reason, action="trial" if params != lifecycle.params else "restart")
 
     def _reload(self) -> None:
@@ -310,6 +345,7 @@ class Supervisor:
             log.warning(
                 "config.restart_needed", detail="[paths], [export], [observe] apply at daemon restart"
             )
+        self._probe_capabilities_if_needed()  # a new engine command is asked what it offers
         self.recorder.record("config.reloaded", engine_changed=new.engine != old.engine)
         log.info("config.reloaded", engine_changed=new.engine != old.engine)
         if lifecycle.engine.state is EngineState.FATAL:

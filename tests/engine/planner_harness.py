@@ -29,9 +29,10 @@ from pathlib import Path
 from tunerd.core.machine import MemoryFacts
 from tunerd.core.model import ModelInfo
 from tunerd.core.params import EngineParams
+from tunerd.engine.logwatch import read_start_report
 from tunerd.observe.machine_facts import read_cpu_node_memory
 from tunerd.observe.model.directory import load_model_info
-from tunerd.planner.calibration import Calibration, calibrate, parse_calibration
+from tunerd.planner.calibration import Calibration, calibrate
 from tunerd.planner.plan import PlanVerdict, assess
 from tunerd.procfs.processes import pids_in_group
 
@@ -319,7 +320,7 @@ def run_all(
         if case.kind in ("util_calibration", "util_predict") and outcome.kv_tokens is not None:
             # The worker RSS this start implies (exact to one KV block), to show start-to-start jitter.
             own = calibrate(
-                parse_calibration(outcome.lines), info, case.params(), outcome.facts, backend="cpu"
+                read_start_report(outcome.lines), info, case.params(), outcome.facts, backend="cpu"
             )
             result.extra["implied_non_kv_range"] = (own.non_kv_low, own.non_kv_high)
             if case.kind == "util_calibration":

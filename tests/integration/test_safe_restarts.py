@@ -21,8 +21,7 @@ from tests.integration.conftest import fake_sections
 
 def restart(daemon: Daemon, **params: object) -> None:
     """What `tunerd restart --set …` posts: a tuning-style restart with changed parameters."""
-    address = (daemon.state_dir / "export.addr").read_text().strip()
-    answer = httpx.post(f"http://{address}/restart", json={"params": params, "reason": "test"}, timeout=5)
+    answer = daemon.command("restart", {"params": params, "reason": "test"})
     assert answer.status_code == 202, answer.text
 
 
@@ -294,7 +293,7 @@ def test_upgrade_guard_records_identity_and_flags_last_known_good_after_a_change
         daemon.wait_state("RUNNING")
         identity = daemon.wait_event("engine.identity")
         assert identity["vllm_version"] == "0.32.0"
-        assert identity["model"]["config_sha256"]
+        assert identity["model"]["fingerprint"]
         daemon.wait_event("known_good.updated")
         (model / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 3}')
         after = daemon.last_seq()

@@ -9,6 +9,7 @@ import pytest
 from tunerd.engine.leftovers import LeftoverReaper
 from tunerd.engine.oscalls import SIGKILL, SIGTERM
 from tunerd.engine.process import MARKER_ENV
+from tunerd.engine.stopper import KILL_WAIT_S
 
 MARKER = "0123456789abcdef"
 GRACEFUL_S = 30.0
@@ -120,9 +121,9 @@ def test_processes_surviving_sigkill_are_reported_stuck_after_the_extra_wait(pro
     subject, oscalls = reaper(proc, [[4001]])
     subject.step(now=100.0, graceful_s=GRACEFUL_S)
     subject.step(now=130.0, graceful_s=GRACEFUL_S)
-    still = subject.step(now=130.0 + LeftoverReaper.STUCK_AFTER_KILL_S - 0.1, graceful_s=GRACEFUL_S)
+    still = subject.step(now=130.0 + KILL_WAIT_S - 0.1, graceful_s=GRACEFUL_S)
     assert still.reason == "waiting for 1 leftover engine process(es) to exit"
-    stuck = subject.step(now=130.0 + LeftoverReaper.STUCK_AFTER_KILL_S, graceful_s=GRACEFUL_S)
+    stuck = subject.step(now=130.0 + KILL_WAIT_S, graceful_s=GRACEFUL_S)
     assert not stuck.clear
     assert stuck.reason == "leftover engine process(es) [4001] survive SIGKILL"
     assert oscalls.signals == [(4001, SIGTERM), (4001, SIGKILL)]

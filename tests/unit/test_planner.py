@@ -18,11 +18,12 @@ from tunerd.control.capacity import CalibrationStore
 from tunerd.core.machine import MemoryFacts, PreflightFacts
 from tunerd.core.params import EngineParams
 from tunerd.core.units import GiB
+from tunerd.engine.logwatch import read_start_report
 from tunerd.observe.machine_facts import build_memory_facts, node_memory
 from tunerd.observe.model.directory import load_model_info, read_safetensors_header
 from tunerd.observe.model.info import model_info_from_config
 from tunerd.observe.model.weights import estimate_parameters, parse_quantization
-from tunerd.planner.calibration import Calibration, calibrate, combine_calibrations, parse_calibration
+from tunerd.planner.calibration import Calibration, calibrate, combine_calibrations
 from tunerd.planner.checks import preflight_checks
 from tunerd.planner.kv_math import (
     KVEstimateUnavailable,
@@ -438,8 +439,8 @@ def test_h200_kv_pressure_fixture() -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
-def test_parse_calibration_gpu_fixture() -> None:
-    cal = parse_calibration((GPU_FIXTURES / "default_cold.log").read_text().splitlines())
+def test_start_report_gpu_fixture() -> None:
+    cal = read_start_report((GPU_FIXTURES / "default_cold.log").read_text().splitlines())
     assert cal.device == "GPU"
     assert cal.kv_cache_tokens == 1_182_912
     assert cal.kv_max_model_len == 40960
@@ -449,15 +450,15 @@ def test_parse_calibration_gpu_fixture() -> None:
     assert cal.vllm_version == "0.24.0"
 
 
-def test_parse_calibration_cpu_fixtures() -> None:
-    ok = parse_calibration((CPU_FIXTURES / "ok_start.log").read_text().splitlines())
+def test_start_report_cpu_fixtures() -> None:
+    ok = read_start_report((CPU_FIXTURES / "ok_start.log").read_text().splitlines())
     assert (ok.device, ok.kv_cache_tokens, ok.kv_max_model_len) == ("CPU", 1952, 512)
     assert ok.cpu_kv_explicit is True and ok.cpu_node_total_gib == 12.09
-    refused = parse_calibration((CPU_FIXTURES / "fail_kv_too_small.log").read_text().splitlines())
+    refused = read_start_report((CPU_FIXTURES / "fail_kv_too_small.log").read_text().splitlines())
     assert refused.refused_max_model_len == 4096
     assert refused.estimated_max_model_len == 1920
     assert refused.kv_cache_tokens is None
-    busy = parse_calibration((GPU_FIXTURES / "second_server_b.log").read_text().splitlines())
+    busy = read_start_report((GPU_FIXTURES / "second_server_b.log").read_text().splitlines())
     assert (busy.free_at_start_gib, busy.total_at_start_gib, busy.requested_at_start_gib) == (
         9.24,
         139.8,
@@ -473,7 +474,7 @@ def test_calibrated_gpu_prediction_reproduces_the_h200_start() -> None:
     facts = MemoryFacts(gpu_total_bytes=150_110_011_392, gpu_free_bytes=149_000_000_000)
     params = EngineParams()
     cal = calibrate(
-        parse_calibration((GPU_FIXTURES / "default_cold.log").read_text().splitlines()),
+        read_start_report((GPU_FIXTURES / "default_cold.log").read_text().splitlines()),
         info,
         params,
         facts,
@@ -505,7 +506,7 @@ def test_cpu_utilization_path_from_reported_figures() -> None:
         "(EngineCore pid=2) INFO [kv_cache_utils.py:2327] CPU KV cache size: 690,144 tokens, Maximum "
         "concurrency for 512 tokens per request: 1347.94x",
     ]
-    cal = calibrate(parse_calibration(lines), info, params, facts, backend="cpu")
+    cal = calibrate(read_start_report(lines), info, params, facts, backend="cpu")
     assert cal.cpu_non_kv_gib == 0.68 and cal.num_blocks == 21_567
     assert cal.non_kv_bytes is not None and abs(cal.non_kv_bytes - 0.68 * GiB) < 0.005 * GiB
     same = assess(info, params, facts, backend="cpu", calibration=cal)
@@ -522,11 +523,11 @@ def test_calibration_on_explicit_bytes_checks_the_block_arithmetic() -> None:
     info = model_info_from_config(TINY_CONFIG)
     params = EngineParams(max_model_len=512, kv_cache_memory_bytes=1_000_000, block_size=32)
     lines = (CPU_FIXTURES / "ok_start.log").read_text().splitlines()
-    cal = calibrate(parse_calibration(lines), info, params, cpu_facts(), backend="cpu")
+    cal = calibrate(read_start_report(lines), info, params, cpu_facts(), backend="cpu")
     assert cal.num_blocks == 61 and cal.non_kv_bytes is None and not cal.notes
     # A model whose real layout differs (here: pretend 3 layers) is flagged, not silently accepted.
     wrong = model_info_from_config({**TINY_CONFIG, "num_hidden_layers": 3})
-    cal = calibrate(parse_calibration(lines), wrong, params, cpu_facts(), backend="cpu")
+    cal = calibrate(read_start_report(lines), wrong, params, cpu_facts(), backend="cpu")
     assert any("does not match" in n for n in cal.notes)
 
 
@@ -817,7 +818,7 @@ def test_calibration_from_a_refused_start() -> None:
     info = model_info_from_config(TINY_CONFIG)
     params = EngineParams(max_model_len=4096, kv_cache_memory_bytes=1_000_000, block_size=32)
     lines = (CPU_FIXTURES / "fail_kv_too_small.log").read_text().splitlines()
-    cal = calibrate(parse_calibration(lines), info, params, cpu_facts(), backend="cpu")
+    cal = calibrate(read_start_report(lines), info, params, cpu_facts(), backend="cpu")
     assert cal.num_blocks == 61
     assert (cal.kv_pool_low, cal.kv_pool_high) == (61 * 16_384, 62 * 16_384 - 1)
     assert not any("does not match" in n for n in cal.notes)

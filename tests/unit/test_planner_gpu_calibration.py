@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 from tunerd.core.params import EngineParams
+from tunerd.engine.logwatch import read_start_report
 from tunerd.observe.gpu import GpuDeviceSample
 from tunerd.observe.machine_facts import build_memory_facts, cuda_visible_total
 from tunerd.observe.model.info import model_info_from_config
-from tunerd.planner.calibration import calibrate, parse_calibration
+from tunerd.planner.calibration import calibrate
 from tunerd.planner.plan import assess
 
 HERE = Path(__file__).resolve().parent
@@ -51,7 +52,7 @@ def params(utilization: float) -> EngineParams:
 def test_one_calibration_start_predicts_another_utilization_exactly(
     calibrated_at: float, log: str, predict_at: float, logged: int
 ) -> None:
-    parsed = parse_calibration((CAPTURES / log).read_text().splitlines())
+    parsed = read_start_report((CAPTURES / log).read_text().splitlines())
     calibration = calibrate(parsed, model(), params(calibrated_at), facts(), backend="cuda")
     verdict = assess(model(), params(predict_at), facts(), backend="cuda", calibration=calibration)
     assert verdict.kv_cache_tokens == logged

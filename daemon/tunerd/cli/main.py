@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -23,6 +24,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`tunerd status | head`): end quietly, no traceback. Python flushes
+        # stdout again at exit, so point it at /dev/null first (the recipe of Python's signal docs).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -182,22 +189,38 @@ def _daemon_url(config: Config) -> str:
     return f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
 
 
-def _talk_to_daemon(
+def _ask_daemon(
     args: argparse.Namespace, method: str, path: str, body: dict | None = None
 ) -> tuple[int, object] | int:
-    """(status code, decoded JSON) from the daemon's endpoint, or an exit code after printing why."""
+    """(status code, decoded JSON) from the running daemon, or an exit code after printing why.
+
+    Reading (`GET /status`) goes to the read-only TCP endpoint; commands (`POST`) go over the operator
+    socket, whose permissions decide who may use them.
+    """
     import httpx
 
     config_path = args.config or default_config_path()
     config = _load_or_report(config_path)
     if config is None:
         return EX_CONFIG
-    url = _daemon_url(config) + path
+    if method == "GET":
+        url, transport, where = _daemon_url(config) + path, None, _daemon_url(config)
+    else:
+        sock = str(config.paths.socket_path)
+        url, transport, where = "http://tunerd" + path, httpx.HTTPTransport(uds=sock), sock
     try:
-        response = httpx.request(method, url, json=body, timeout=5.0, trust_env=False)
+        with httpx.Client(transport=transport, timeout=5.0, trust_env=False) as client:
+            response = client.request(method, url, json=body)
     except httpx.HTTPError as exc:
+        cause = exc.__cause__ or exc.__context__
+        if isinstance(cause, PermissionError):
+            print(
+                f"tunerd: {where}: permission denied (operators need membership of the daemon's group)",
+                file=sys.stderr,
+            )
+            return 4
         print(
-            f"tunerd: cannot reach the daemon at {url} ({type(exc).__name__}): is `tunerd run` running?",
+            f"tunerd: cannot reach the daemon at {where} ({type(exc).__name__}): is `tunerd run` running?",
             file=sys.stderr,
         )
         return 3
@@ -212,7 +235,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     from tunerd.cli.status import render_status
 
-    answer = _talk_to_daemon(args, "GET", "/status")
+    answer = _ask_daemon(args, "GET", "/status")
     if isinstance(answer, int):
         return answer
     _, document = answer
@@ -224,7 +247,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    answer = _talk_to_daemon(args, "POST", "/resume")
+    answer = _ask_daemon(args, "POST", "/resume")
     if isinstance(answer, int):
         return answer
     code, _ = answer
@@ -256,7 +279,7 @@ def cmd_restart(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"tunerd restart: {exc}", file=sys.stderr)
         return EX_USAGE
-    answer = _talk_to_daemon(args, "POST", "/restart", {"params": changes, "reason": args.reason})
+    answer = _ask_daemon(args, "POST", "/restart", {"params": changes, "reason": args.reason})
     if isinstance(answer, int):
         return answer
     code, document = answer

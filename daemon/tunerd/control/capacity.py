@@ -13,19 +13,21 @@ from pathlib import Path
 from typing import Any
 
 from tunerd.config import Config
+from tunerd.core.machine import MachineFacts
 from tunerd.core.model import ModelInfo, ModelInfoError
 from tunerd.core.params import Backend, EngineParams
+from tunerd.core.report import StartReport
 from tunerd.observe.machine_facts import probe_machine
 from tunerd.observe.model.directory import load_model_info
 from tunerd.planner.calibration import (
     Calibration,
     calibrate,
     calibration_key,
-    parse_calibration,
     pick_calibration,
 )
 from tunerd.planner.checks import preflight_checks
 from tunerd.planner.plan import PlanVerdict, assess
+from tunerd.planner.report import plan_to_json
 from tunerd.records.calibrations import CalibrationFile
 
 
@@ -36,6 +38,7 @@ class PlanOutcome:
     refusal: str | None
     figures: dict[str, Any]
     predicted_kv_tokens: int | None = None
+    machine: MachineFacts | None = None  # what the plan was made against
 
 
 @dataclass(frozen=True)
@@ -46,28 +49,22 @@ class CalibrationDone:
     figures: dict[str, Any]
 
 
+# What a `preflight.plan` journal record keeps of `tunerd plan --json` (same names, fewer of them).
+_JOURNAL_KEYS = (
+    "feasible", "band", "ratio", "backend", "memory_kind", "weights_bytes", "kv_bytes_per_token",
+    "kv_cache_tokens", "kv_cache_tokens_range", "max_concurrency", "largest_max_model_len", "calibrated",
+    "reasons", "suggested_params",
+)  # fmt: skip
+
+
 def summarize(plan: PlanVerdict) -> dict[str, Any]:
-    """The figures an operator needs to understand a verdict, in one journal record."""
-    budget = plan.budget
-    return {
-        "feasible": plan.feasible,
-        "band": plan.band,
-        "ratio": None if plan.ratio is None else round(plan.ratio, 3),
-        "backend": plan.backend,
-        "memory": plan.memory_kind,
-        "weights_bytes": plan.weights_bytes,
-        "kv_bytes_per_token": plan.kv_bytes_per_token,
-        "kv_budget_bytes": budget.kv_bytes,
-        "budget_source": budget.source,
-        "physical_bytes": budget.physical_bytes,
-        "kv_cache_tokens": plan.kv_cache_tokens,
-        "kv_cache_tokens_range": list(plan.kv_cache_tokens_range) if plan.kv_cache_tokens_range else None,
-        "max_concurrency": plan.max_concurrency,
-        "largest_max_model_len": plan.largest_max_model_len,
-        "calibrated": plan.calibrated,
-        "reasons": list(plan.reasons),
-        "suggested": plan.suggested.as_dict() if plan.suggested else None,
-    }
+    """The figures an operator needs to understand a verdict, in one journal record: a selection of
+    `tunerd plan --json` under the same names."""
+    full = plan_to_json(plan)
+    figures = {key: full[key] for key in _JOURNAL_KEYS}
+    figures["ratio"] = None if plan.ratio is None else round(plan.ratio, 3)
+    figures["budget"] = {key: full["budget"][key] for key in ("kv_bytes", "source", "physical_bytes")}
+    return figures
 
 
 class CalibrationStore:
@@ -137,7 +134,7 @@ class Capacity:
                 None, {"planner": f"no plan: {self.config.engine.model} is not a model directory here"}
             )
         try:
-            machine = probe_machine("auto")
+            machine = probe_machine("auto", proc=self.config.observe.memory_proc)
         except OSError as exc:
             return PlanOutcome(None, {"planner": f"no plan: {exc}"})
         calibration = self.store.get(model, params, machine.backend)
@@ -157,30 +154,32 @@ class Capacity:
                 if plan.ratio is not None
                 else plan.band
             )
-        return PlanOutcome(refusal, figures, plan.kv_cache_tokens)
+        return PlanOutcome(refusal, figures, plan.kv_cache_tokens, machine)
 
-    def calibrate_from_log(self, run_id: int, log_path: Path, params: EngineParams) -> CalibrationDone | None:
-        """Read how vLLM sized its KV cache at this start and keep it for the next prediction.
-
-        Runs in a background thread (file and NVML reads). None when the log says nothing usable.
+    def calibrate(
+        self, run_id: int, report: StartReport, params: EngineParams, machine: MachineFacts | None
+    ) -> CalibrationDone | None:
+        """Keep what vLLM reported at this start (`report`, gathered from its log as it was read) for the
+        next prediction, against the machine the start's plan was made for (probed afresh only when
+        there was no plan). Runs in a worker job (model directory, the calibration file). None when the
+        report says nothing usable.
         """
+        if report.kv_cache_tokens is None and report.estimated_max_model_len is None:
+            return None
         try:
             model = self.model()
             if model is None:
                 return None
-            with open(log_path, errors="replace") as f:
-                parsed = parse_calibration(f)
-            if parsed.kv_cache_tokens is None and parsed.estimated_max_model_len is None:
-                return None
-            machine = probe_machine("auto")
-            calibration = calibrate(parsed, model, params, machine.memory, backend=machine.backend)
+            if machine is None:
+                machine = probe_machine("auto", proc=self.config.observe.memory_proc)
+            calibration = calibrate(report, model, params, machine.memory, backend=machine.backend)
             self.store.put(model, params, machine.backend, calibration, now=time.time())
         except (OSError, ModelInfoError, ValueError) as exc:
             return CalibrationDone(run_id, {"error": f"{type(exc).__name__}: {exc}"})
         return CalibrationDone(
             run_id,
             {
-                "kv_cache_tokens": parsed.kv_cache_tokens,
+                "kv_cache_tokens": report.kv_cache_tokens,
                 "non_kv_bytes": calibration.non_kv_bytes,
                 "samples": calibration.samples,
                 "notes": list(calibration.notes),

@@ -17,6 +17,7 @@ import structlog
 
 from tunerd.config import Config
 from tunerd.control.capacity import CalibrationDone, Capacity
+from tunerd.control.preflight import Submit, run_here
 from tunerd.control.run_guards import RunGuards
 from tunerd.control.starting import PendingStart, Refused, Starter, Waiting
 from tunerd.core.failures import EngineFailure, FailureKind
@@ -39,6 +40,8 @@ log = structlog.get_logger("tunerd")
 ACTIVE = (EngineState.STARTING, EngineState.RUNNING)
 # Failures whose log says how vLLM sized (or could not size) its KV cache.
 CALIBRATES = (FailureKind.KV_CACHE_TOO_SMALL, FailureKind.NO_KV_MEMORY, FailureKind.INSUFFICIENT_MEMORY)
+# Failures after which the engine serves nobody: its stop has nothing to drain.
+NOT_SERVING = (FailureKind.ENGINE_DEAD, FailureKind.ENGINE_INIT_FAILED, FailureKind.EXITED)
 
 
 class Lifecycle:
@@ -53,6 +56,7 @@ class Lifecycle:
         metrics: Metrics,
         on_status_change: Callable[[], None],
         background: Callable[[Callable[[], Any]], None],
+        submit: Submit = run_here,
         monotonic: Callable[[], float],
         wallclock: Callable[[], datetime],
     ) -> None:
@@ -93,6 +97,7 @@ class Lifecycle:
             capacity=self.capacity,
             gpu=lambda: self.guards.gpu,
             wallclock=wallclock,
+            submit=submit,
         )
 
     @property
@@ -156,7 +161,7 @@ class Lifecycle:
 
     def step(self, now: float) -> None:
         engine = self.engine
-        for event in engine.poll(now, self._grace()):
+        for event in engine.poll(now):
             if isinstance(event, EngineFailure):
                 self._on_failure(event, now)
             elif isinstance(event, KvCacheSize):
@@ -183,11 +188,21 @@ class Lifecycle:
         ):
             self._try_start(now)
 
-    def _grace(self) -> float:
+    def _stop_grace(self, failure: EngineFailure | None = None) -> float:
+        """How long a stop waits between SIGTERM and SIGKILL.
+
+        A memory emergency: seconds (the host is about to stall). An engine that never served: a short
+        grace — it has no requests to drain, and vLLM's API server ignored SIGTERM after its worker
+        failed at start-up, costing the whole graceful timeout per failed start (measured on CPU: 30 s).
+        A serving engine: the graceful timeout (with --shutdown-timeout, vLLM drains within it).
+        """
+        timeouts = self.config.timeouts
+        if failure is not None and failure.kind is FailureKind.MEMORY_EMERGENCY:
+            return self.config.guard.emergency_grace_s
         run = self.engine.run
-        if run is not None and run.failure is not None and run.failure.kind is FailureKind.MEMORY_EMERGENCY:
-            return self.config.guard.emergency_grace_s  # the host is about to stall: no long goodbye
-        return self.config.timeouts.graceful_stop_s
+        if run is None or run.ready_mono is None or (failure is not None and failure.kind in NOT_SERVING):
+            return min(timeouts.unready_stop_s, timeouts.graceful_stop_s)
+        return timeouts.graceful_stop_s
 
     @property
     def settled(self) -> bool:
@@ -258,9 +273,10 @@ class Lifecycle:
         self._save_state()
 
     def _learn_from(self, run: EngineRun) -> None:
-        """Calibrate the planner from what vLLM reported at this start (in the background)."""
-        capacity, log_path, params, run_id = self.capacity, run.log_path, run.params, run.run_id
-        self.background(lambda: capacity.calibrate_from_log(run_id, log_path, params))
+        """Calibrate the planner from what vLLM reported at this start (in a worker job)."""
+        capacity, report, machine = self.capacity, run.report.report(), run.machine
+        run_id, params = run.run_id, run.params
+        self.background(lambda: capacity.calibrate(run_id, report, params, machine))
 
     def on_calibration(self, done: CalibrationDone) -> None:
         self.rec.record("planner.calibrated", run=done.run_id, **done.figures)
@@ -284,6 +300,8 @@ class Lifecycle:
         if engine.state not in ACTIVE:
             if engine.state is EngineState.STOPPING and run.failure is not None:
                 engine.note_failure(failure)  # a more specific cause printed while stopping
+            if engine.state is EngineState.STOPPING and failure.kind is FailureKind.MEMORY_EMERGENCY:
+                engine.begin_stop(now, str(failure.kind), self._stop_grace(failure))  # shortens the grace
             return
         standing = engine.note_failure(failure)
         phase = engine.state.name.lower()
@@ -297,7 +315,7 @@ class Lifecycle:
             log=str(run.log_path),
         )
         log.error("engine.failed", phase=phase, kind=str(standing.kind), detail=standing.detail)
-        engine.begin_stop(now, str(standing.kind))
+        engine.begin_stop(now, str(standing.kind), self._stop_grace(standing))
 
     def _on_exit(self, event: Exited, now: float) -> None:
         run = self.engine.run
@@ -399,7 +417,7 @@ class Lifecycle:
         if not self.schedule_start(params, action, reason, delay=0.0):
             return False
         if self.engine.run is not None:
-            self.engine.begin_stop(self.monotonic(), action)
+            self.engine.begin_stop(self.monotonic(), action, self._stop_grace())
         elif self.engine.state in (EngineState.BACKOFF, EngineState.FATAL):
             self.fatal_reason = None
             self.engine.enter(EngineState.STOPPED)
@@ -421,7 +439,29 @@ class Lifecycle:
             self.rec.outcome(self.pending.intent, "aborted", reason="daemon shutdown")
             self.pending = None
         if self.engine.run is not None and self.engine.state is not EngineState.STOPPING:
-            self.engine.begin_stop(self.monotonic(), "daemon shutdown")
+            self.engine.begin_stop(self.monotonic(), "daemon shutdown", self._stop_grace())
+
+    def stop_now(self, monotonic: Callable[[], float], sleep: Callable[[float], None]) -> None:
+        """Stop the engine outside the loop (the loop failed): SIGTERM, the grace, SIGKILL, reap.
+
+        Bounded by the stop's grace plus the kill wait (`engine.stopper`); journals the stop.
+        """
+        engine = self.engine
+        self.shutting_down = True
+        self.pending = None
+        if engine.run is not None and engine.state is not EngineState.STOPPING:
+            engine.begin_stop(monotonic(), "daemon crashed", self._stop_grace())
+        while engine.run is not None:
+            for event in engine.poll(monotonic()):
+                if isinstance(event, TreeGone):
+                    self._on_tree_gone(event, monotonic())
+                    return
+            sleep(Engine.TICK_S)
+
+    def kill_now(self) -> None:
+        """SIGKILL the engine's tree at once (when even `stop_now` failed)."""
+        if self.engine.run is not None:
+            self.engine.kill_tree()
 
     # -- helpers ---------------------------------------------------------------------------------
 

@@ -19,8 +19,9 @@ import contextlib
 import os
 import socket
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
 
@@ -49,6 +50,27 @@ class PreflightStep:
 
 PlanCheck = Callable[[EngineParams], PlanOutcome]
 
+T = TypeVar("T")
+Submit = Callable[[Callable[[], T]], "Future[T]"]
+
+
+def run_here(job: Callable[[], T]) -> Future[T]:
+    """A `Submit` that runs the job at once, in the caller's thread (tests, the command line)."""
+    future: Future[T] = Future()
+    try:
+        future.set_result(job())
+    except Exception as exc:
+        future.set_exception(exc)
+    return future
+
+
+def _result(future: Future[T], default: T) -> T:
+    """A finished job's result, or `default` when it raised (a scan that failed reports nothing)."""
+    try:
+        return future.result()
+    except Exception:
+        return default
+
 
 def port_is_free(host: str, port: int) -> bool:
     """Whether `host:port` can be bound, as uvicorn will bind it."""
@@ -70,24 +92,41 @@ def port_holder(port: int) -> str:
     return "another process"
 
 
-def foreign_engines(marker: str, proc: str = "/proc") -> list[dict[str, Any]]:
-    """vLLM-looking processes that do not carry our marker: another tunerd's or a person's vLLM."""
+def foreign_engines(marker: str, proc: str = "/proc", own_pid: int | None = None) -> list[dict[str, Any]]:
+    """vLLM-looking processes that do not carry our marker: another tunerd's or a person's vLLM.
+
+    The daemon's own descendants are never foreign: its `vllm … --help` capability probe looks like a
+    vLLM server by its command line (it was journaled as a foreign engine on the very first start).
+    Reads every process' stat (and, for candidates, cmdline and environ): run it off the loop thread.
+    """
+    own = os.getpid() if own_pid is None else own_pid
+    stats = [s for s in (read_stat(pid, proc) for pid in list_pids(proc)) if s is not None]
+    parent = {s.pid: s.ppid for s in stats}
     found = []
     wanted = f"{MARKER_ENV}={marker}".encode()
-    for pid in list_pids(proc):
-        stat = read_stat(pid, proc)
-        if stat is None or stat.state == "Z":
+    for stat in stats:
+        if stat.state == "Z" or _descends_from(stat.pid, own, parent):
             continue
-        if not (stat.comm.startswith("VLLM::") or _looks_like_vllm_server(pid, proc)):
+        if not (stat.comm.startswith("VLLM::") or _looks_like_vllm_server(stat.pid, proc)):
             continue
         try:
-            with open(f"{proc}/{pid}/environ", "rb") as f:
+            with open(f"{proc}/{stat.pid}/environ", "rb") as f:
                 if wanted in f.read().split(b"\0"):
                     continue
         except OSError:
             pass  # not ours to read: certainly not ours
-        found.append({"pid": pid, "comm": stat.comm})
+        found.append({"pid": stat.pid, "comm": stat.comm})
     return found
+
+
+def _descends_from(pid: int, ancestor: int, parent: dict[int, int]) -> bool:
+    seen = set()
+    while pid in parent and pid not in seen:
+        if pid == ancestor:
+            return True
+        seen.add(pid)
+        pid = parent[pid]
+    return pid == ancestor
 
 
 def _looks_like_vllm_server(pid: int, proc: str) -> bool:
@@ -126,6 +165,7 @@ class Preflight:
         gpu: Callable[[], GpuFacts | None],
         plan_check: PlanCheck | None,
         started: float,
+        submit: Submit = run_here,
     ) -> None:
         self.config = config
         self.params = params
@@ -136,15 +176,21 @@ class Preflight:
         self.gpu = gpu
         self.plan_check = plan_check
         self.started = started
+        self.submit = submit
         self.timings: dict[str, float] = {}
         self._phase_started = started
         self._reported: set[str] = set()
-        self._port_holder: str | None = None
+        self._foreign: Future[list[dict[str, Any]]] | None = None
+        self._port_holder: Future[str] | None = None
+        self._plan_job: Future[PlanOutcome] | None = None
         self.baseline: MemoryGate | None = None  # set when this preflight took the first baseline
         self.plan: PlanOutcome | None = None  # the planner's verdict, once asked
 
     def step(self, now: float) -> PreflightStep:
+        """One look at the checks (every loop tick while the start is pending); never blocks: scans
+        of every process, the port's holder and the planner (NVML, model headers) run as jobs."""
         records: list[dict[str, Any]] = []
+        self._foreign_engines(records)
         for name, check in (
             ("leftovers", self._leftovers),
             ("port", self._port),
@@ -176,17 +222,24 @@ class Preflight:
             records.append({"event": "preflight.waiting", "check": key, "reason": reason, **fields})
         return PreflightStep(False, reason, records=[])
 
+    def _foreign_engines(self, records: list[dict[str, Any]]) -> None:
+        """Report (never touch) a vLLM this tunerd did not start, once per start, when the scan is back."""
+        if self._foreign is None:
+            marker, proc = self.marker, self.os.proc
+            self._foreign = self.submit(lambda: foreign_engines(marker, proc))
+        if "foreign" in self._reported or not self._foreign.done():
+            return
+        self._reported.add("foreign")
+        if others := _result(self._foreign, []):
+            records.append(
+                {
+                    "event": "preflight.foreign_engine",
+                    "processes": others,
+                    "note": "not started by this tunerd: left alone",
+                }
+            )
+
     def _leftovers(self, now: float, records: list[dict[str, Any]]) -> PreflightStep | None:
-        if "foreign" not in self._reported:
-            self._reported.add("foreign")
-            if others := foreign_engines(self.marker, self.os.proc):
-                records.append(
-                    {
-                        "event": "preflight.foreign_engine",
-                        "processes": others,
-                        "note": "not started by this tunerd: left alone",
-                    }
-                )
         result = self.reaper.step(now, self.config.timeouts.graceful_stop_s)
         records.extend(result.journal)
         return None if result.clear else self._wait("leftovers", result.reason or "leftovers", records)
@@ -196,8 +249,12 @@ class Preflight:
         if port_is_free(engine.host, engine.port):
             return None
         if self._port_holder is None:  # named once per start, not at every tick of the wait
-            self._port_holder = port_holder(engine.port)
-        return self._wait("port", f"port {engine.port} is held by {self._port_holder}", records)
+            port = engine.port
+            self._port_holder = self.submit(lambda: port_holder(port))
+        if not self._port_holder.done():
+            return PreflightStep(False, f"port {engine.port} is held (finding out by whom)")
+        holder = _result(self._port_holder, "another process")
+        return self._wait("port", f"port {engine.port} is held by {holder}", records)
 
     def _memory(self, now: float, records: list[dict[str, Any]]) -> PreflightStep | None:
         gpu = self.gpu()
@@ -262,7 +319,15 @@ class Preflight:
     def _plan(self, now: float, records: list[dict[str, Any]]) -> PreflightStep | None:
         if self.plan_check is None:
             return None
-        self.plan = self.plan_check(self.params)
+        if self._plan_job is None:
+            check, params = self.plan_check, self.params
+            self._plan_job = self.submit(lambda: check(params))
+        if not self._plan_job.done():
+            return PreflightStep(False, "asking the capacity planner")
+        try:
+            self.plan = self._plan_job.result()
+        except Exception as exc:  # a planner bug must not stop the start: the planner is advice
+            self.plan = PlanOutcome(None, {"planner": f"no plan: {type(exc).__name__}: {exc}"})
         if self.plan.refusal is None:
             records.append({"event": "preflight.plan", "params": self.params, **self.plan.figures})
             return None

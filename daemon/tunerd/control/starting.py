@@ -13,7 +13,7 @@ from datetime import datetime
 
 from tunerd.config import Config
 from tunerd.control.capacity import Capacity
-from tunerd.control.preflight import Preflight
+from tunerd.control.preflight import Preflight, Submit, run_here
 from tunerd.core.failures import EngineFailure, FailureKind
 from tunerd.core.machine import GpuFacts
 from tunerd.core.params import EngineParams
@@ -68,6 +68,7 @@ class Starter:
         capacity: Capacity,
         gpu: Callable[[], GpuFacts | None],
         wallclock: Callable[[], datetime],
+        submit: Submit = run_here,
     ) -> None:
         self.config = config
         self.os = oscalls
@@ -78,6 +79,7 @@ class Starter:
         self.capacity = capacity
         self.gpu = gpu
         self.wallclock = wallclock
+        self.submit = submit
         recorded = dstate.engine.pgid if dstate.engine else None
         self.reaper = LeftoverReaper(oscalls, dstate.instance_id, recorded)
 
@@ -110,6 +112,7 @@ class Starter:
             gpu=self.gpu,
             plan_check=self.capacity.check,
             started=now,
+            submit=self.submit,
         )
 
     def _save_baseline(self, gate: MemoryGate) -> None:
@@ -135,6 +138,7 @@ class Starter:
         run.base_url = f"http://{host}:{engine_cfg.port}"
         plan = pending.preflight.plan if pending.preflight else None
         run.predicted_kv_tokens = plan.predicted_kv_tokens if plan else None
+        run.machine = plan.machine if plan else None
         self.dstate.engine = EngineRecord(
             pid=run.pid, pgid=run.pgid, started=run.started_wall.isoformat(), log=str(run.log_path)
         )

@@ -22,6 +22,15 @@ class ExitStatus:
             return cls(code=None, signal=os.WTERMSIG(status))
         return cls(code=os.waitstatus_to_exitcode(status), signal=None)
 
+    @classmethod
+    def from_waitid(cls, code: int, status: int) -> ExitStatus:
+        """Build from `os.waitid`'s `si_code` (CLD_EXITED, CLD_KILLED, CLD_DUMPED) and `si_status`."""
+        import os
+
+        if code == os.CLD_EXITED:
+            return cls(code=status, signal=None)
+        return cls(code=None, signal=status)
+
     @property
     def signal_name(self) -> str | None:
         if self.signal is None:

@@ -6,7 +6,8 @@ compiler helpers). The process group recorded in the state file narrows the sear
 crash, but a reused process-group id never makes tunerd kill a stranger, and a vLLM that another
 tunerd or a person started is left alone.
 
-Non-blocking: `step(now)` is called every loop tick until it reports the way clear.
+Non-blocking: `step(now)` is called every loop tick until it reports the way clear. The stop itself is
+the engine's: SIGTERM, the grace, SIGKILL (`stopper.Escalation`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from tunerd.engine.oscalls import SIGKILL, SIGTERM, OsCalls
 from tunerd.engine.process import MARKER_ENV
+from tunerd.engine.stopper import Escalation
 from tunerd.procfs import processes as procfs
 
 
@@ -29,15 +31,12 @@ class StepResult:
 class LeftoverReaper:
     """Stops leftover marked processes: SIGTERM, then SIGKILL after the graceful timeout."""
 
-    STUCK_AFTER_KILL_S = 10.0
-
     def __init__(self, oscalls: OsCalls, marker: str, recorded_pgid: int | None = None) -> None:
         self.os = oscalls
         self.marker = marker
         self.recorded_pgid = recorded_pgid
-        self._found: dict[int, str] | None = None
-        self._since: float | None = None
-        self._killed = False
+        self._found: dict[int, str] = {}
+        self._stop: Escalation | None = None
 
     def find(self) -> list[int]:
         """Live processes carrying our marker, wherever they are (the recorded group or not)."""
@@ -45,35 +44,31 @@ class LeftoverReaper:
 
     def step(self, now: float, graceful_s: float) -> StepResult:
         pids = self.find()
-        if self._since is None:
+        if self._stop is None:
             if not pids:
                 return StepResult(True)
             self._found = {pid: procfs.read_comm(pid, self.os.proc) for pid in pids}
-            self._since = now
-            for pid in pids:
-                self.os.signal_pid(pid, SIGTERM)
+            self._stop = Escalation(now, graceful_s)
+            self._signal(pids, SIGTERM)
             record = {"event": "leftover.found", "pids": self._found, "recorded_pgid": self.recorded_pgid}
             return StepResult(False, f"stopping {len(pids)} leftover engine process(es)", [record])
-        elapsed = now - self._since
-        if not pids:
+        progress = self._stop.step(now, pids)
+        if progress.send_kill:
+            self._signal(pids, SIGKILL)
+        if progress.survivors:
+            stuck = list(progress.survivors)
+            return StepResult(False, f"leftover engine process(es) {stuck} survive SIGKILL")
+        if progress.done:
             record = {
                 "event": "leftover.reaped",
                 "pids": self._found,
-                "seconds": round(elapsed, 2),
-                "sigkill": self._killed,
+                "seconds": round(progress.elapsed, 2),
+                "sigkill": progress.killed,
             }
-            self._reset()
+            self.recorded_pgid, self._found, self._stop = None, {}, None
             return StepResult(True, journal=[record])
-        if elapsed >= graceful_s and not self._killed:
-            for pid in pids:
-                self.os.signal_pid(pid, SIGKILL)
-            self._killed = True
-        if self._killed and elapsed >= graceful_s + self.STUCK_AFTER_KILL_S:
-            return StepResult(False, f"leftover engine process(es) {pids} survive SIGKILL")
         return StepResult(False, f"waiting for {len(pids)} leftover engine process(es) to exit")
 
-    def _reset(self) -> None:
-        self.recorded_pgid = None
-        self._found = None
-        self._since = None
-        self._killed = False
+    def _signal(self, pids: list[int], sig: int) -> None:
+        for pid in pids:
+            self.os.signal_pid(pid, sig)

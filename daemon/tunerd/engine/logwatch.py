@@ -1,6 +1,8 @@
-"""vLLM's output, line by line, turned into events: readiness facts and classified failures.
+"""vLLM's output, line by line: the one grammar of vLLM's log lines.
 
-`classify_line` is pure: one line in, at most one event out. `LogFollower` is the I/O half: it reads
+`classify_line` is pure: one line in, at most one event out (readiness facts and classified failures).
+`StartReportReader` gathers, from the same lines, what vLLM said about its memory while starting (a
+`StartReport`, which calibrates the planner). `LogFollower` is the I/O half: it reads
 the complete lines a child appended to its log file since the last call (vLLM writes the file itself,
 so its output survives a crash of tunerd).
 
@@ -14,9 +16,12 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from tunerd.core.failures import EngineFailure, FailureKind
+from tunerd.core.report import StartReport
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,26 +75,131 @@ _FAILURE_PATTERNS: tuple[tuple[str, re.Pattern[str] | None, FailureKind], ...] =
     ("EngineDeadError", None, FailureKind.ENGINE_DEAD),
 )
 
-_ESTIMATED_MAX_LEN = re.compile(r"estimated maximum model length is (\d+)")
-_KV_CACHE_SIZE = re.compile(
-    r"KV cache size: ([\d,]+) tokens(?:, Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x)?"
+# The start-up report's lines (vLLM 0.24 on GPU, 0.32 on CPU), also read by `classify_line`.
+_RE_KV_SIZE = re.compile(
+    r"(?:(GPU|CPU|XPU|TPU|HPU)(?: \+ host)? )?KV cache size: ([\d,]+) tokens"
+    r"(?:, Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x)?"
 )
+_RE_CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
+_RE_AVAILABLE_KV = re.compile(r"Available KV cache memory: ([\d.]+) GiB")
+_RE_MODEL_LOADING = re.compile(r"Model loading took ([\d.]+) GiB")
+_RE_CPU_AUTO = re.compile(
+    r"Auto set \(([\d.]+)/([\d.]+)\) GiB for KV cache on node (\d+), with ([\d.]+) GiB requested memory"
+    r" for the worker\. ([\d.]+) GiB memory was consumed by non-kv usages"
+)
+_RE_CPU_EXPLICIT = re.compile(r"Explicitly set \(([\d.]+)/([\d.]+)\) GiB for KV cache on node (\d+)")
+_RE_GPU_EXPLICIT = re.compile(
+    r"reserved ([\d.]+) GiB memory for KV Cache as specified by kv_cache_memory_bytes"
+)
+_RE_ESTIMATE = re.compile(
+    r"max seq len \((\d+)\).*?(?:the estimated maximum model length is (\d+))?\. Try increasing"
+)
+_RE_ESTIMATE_ONLY = re.compile(r"estimated maximum model length is (\d+)")
+_RE_FREE_AT_START = re.compile(
+    r"Free memory on device (\S+) \(([\d.]+)/([\d.]+) GiB\) on startup is less than desired GPU memory "
+    r"utilization \(([\d.]+), ([\d.]+) GiB\)"
+)
+_RE_VERSION = re.compile(r"Initializing a V1 LLM engine \(v([^)]+)\)")
+_RE_MAX_SEQ_LEN = re.compile(r"max_seq_len=(\d+)")
+
+
 _INIT_ENGINE = re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s")
+
+
+def _num(text: str) -> int:
+    return int(text.replace(",", ""))
 
 
 def classify_line(line: str) -> LogEvent | None:
     """Return the event one output line carries, or None for the many lines that carry none."""
     for needle, pattern, kind in _FAILURE_PATTERNS:
         if needle in line and (pattern is None or pattern.search(line)):
-            estimate = _ESTIMATED_MAX_LEN.search(line) if kind is FailureKind.KV_CACHE_TOO_SMALL else None
+            estimate = _RE_ESTIMATE_ONLY.search(line) if kind is FailureKind.KV_CACHE_TOO_SMALL else None
             return EngineFailure(kind, line.strip(), int(estimate.group(1)) if estimate else None)
-    if "KV cache size:" in line and (m := _KV_CACHE_SIZE.search(line)):
-        concurrency = float(m.group(3)) if m.group(3) else None
-        model_len = int(m.group(2).replace(",", "")) if m.group(2) else None
-        return KvCacheSize(int(m.group(1).replace(",", "")), concurrency, model_len)
+    if "KV cache size:" in line and (m := _RE_KV_SIZE.search(line)):
+        concurrency = float(m.group(4)) if m.group(4) else None
+        model_len = _num(m.group(3)) if m.group(3) else None
+        return KvCacheSize(_num(m.group(2)), concurrency, model_len)
     if "init engine" in line and (m := _INIT_ENGINE.search(line)):
         return InitEngineTook(float(m.group(1)))
     return None
+
+
+class StartReportReader:
+    """Gathers a `StartReport` from vLLM's start-up lines, one `feed` per line.
+
+    Recognized: "KV cache size: N tokens[, Maximum concurrency for L tokens per request: Cx]" (and the
+    separate concurrency line of older versions), "Available KV cache memory: X GiB", "Model loading took X
+    GiB", the CPU worker's "Auto set (X/Y) GiB for KV cache on node N, with R GiB requested memory ... Z GiB
+    memory was consumed by non-kv usages" and "Explicitly set (X/Y) GiB", the refusal's "max seq len (L) ...
+    the estimated maximum model length is N", and "Free memory on device ... (F/T GiB) on startup is less
+    than desired GPU memory utilization (U, R GiB)". The first occurrence of each wins.
+    """
+
+    def __init__(self) -> None:
+        self._found: dict[str, Any] = {}
+
+    def _put(self, key: str, value: Any) -> None:
+        self._found.setdefault(key, value)
+
+    def feed(self, line: str) -> None:
+        """Read one line (most lines carry nothing and cost a few regex searches)."""
+        if m := _RE_KV_SIZE.search(line):
+            self._put("device", m.group(1))
+            self._put("kv_cache_tokens", _num(m.group(2)))
+            if m.group(3):
+                self._put("kv_max_model_len", _num(m.group(3)))
+                self._put("max_concurrency", float(m.group(4)))
+        if (m := _RE_CONCURRENCY.search(line)) and "kv_max_model_len" not in self._found:
+            self._put("kv_max_model_len", _num(m.group(1)))
+            self._put("max_concurrency", float(m.group(2)))
+        if m := _RE_AVAILABLE_KV.search(line):
+            self._put("available_kv_gib", float(m.group(1)))
+        if m := _RE_MODEL_LOADING.search(line):
+            self._put("model_loading_gib", float(m.group(1)))
+        if m := _RE_CPU_AUTO.search(line):
+            self._put("cpu_kv_gib", float(m.group(1)))
+            self._put("cpu_node_total_gib", float(m.group(2)))
+            self._put("cpu_node", int(m.group(3)))
+            self._put("cpu_requested_gib", float(m.group(4)))
+            self._put("cpu_non_kv_gib", float(m.group(5)))
+            self._put("cpu_kv_explicit", False)
+        if m := _RE_CPU_EXPLICIT.search(line):
+            self._put("cpu_kv_gib", float(m.group(1)))
+            self._put("cpu_node_total_gib", float(m.group(2)))
+            self._put("cpu_node", int(m.group(3)))
+            self._put("cpu_kv_explicit", True)
+        if m := _RE_GPU_EXPLICIT.search(line):
+            self._put("gpu_kv_explicit_gib", float(m.group(1)))
+        if "max seq len" in line and (m := _RE_ESTIMATE.search(line)):
+            self._put("refused_max_model_len", int(m.group(1)))
+            self._put("estimated_max_model_len", int(m.group(2)) if m.group(2) else 0)
+        elif m := _RE_ESTIMATE_ONLY.search(line):
+            self._put("estimated_max_model_len", int(m.group(1)))
+        if m := _RE_FREE_AT_START.search(line):
+            self._put("free_at_start_gib", float(m.group(2)))
+            self._put("total_at_start_gib", float(m.group(3)))
+            self._put("requested_at_start_gib", float(m.group(5)))
+        if m := _RE_VERSION.search(line):
+            self._put("vllm_version", m.group(1))
+        if (m := _RE_MAX_SEQ_LEN.search(line)) and "Initializing" in line:
+            self._put("_max_seq_len", int(m.group(1)))
+
+    def report(self) -> StartReport:
+        """What the lines fed so far said."""
+        found = dict(self._found)
+        max_seq_len = found.pop("_max_seq_len", None)
+        if "kv_max_model_len" not in found and max_seq_len is not None:
+            found["kv_max_model_len"] = max_seq_len
+        return StartReport(**found)
+
+
+def read_start_report(lines: Iterable[str]) -> StartReport:
+    """The `StartReport` of a whole start-up log (e.g. a captured fixture)."""
+    reader = StartReportReader()
+    for line in lines:
+        reader.feed(line)
+    return reader.report()
 
 
 class LogFollower:

@@ -13,6 +13,7 @@ import shutil
 import signal
 from collections.abc import Mapping, Sequence
 
+from tunerd.core.exits import ExitStatus
 from tunerd.procfs import processes as procfs
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -30,8 +31,8 @@ class OsCalls:
         Returns the pid, which is also the process-group id. `argv[0]` is looked up on the child's
         PATH. Raises OSError when it cannot start (FileNotFoundError: no such program).
 
-        posix_spawn rather than subprocess.Popen: the exit status is collected by `reap_children`
-        (waitpid(-1)), and Popen's own bookkeeping would compete for it.
+        posix_spawn rather than subprocess.Popen: the exit status is collected by `reap_group`
+        (waitid on the engine's process group), and Popen's own bookkeeping would compete for it.
         """
         program = resolve_program(argv[0], env.get("PATH"))
         actions = [
@@ -59,22 +60,24 @@ class OsCalls:
             return False
         return True
 
-    def reap_children(self) -> list[tuple[int, int]]:
-        """Collect every exited child without blocking: [(pid, raw wait status)].
+    def reap_group(self, pgid: int) -> list[tuple[int, ExitStatus]]:
+        """Collect, without blocking, every exited child of ours in process group `pgid`.
 
-        With the subreaper flag set, orphaned grandchildren (vLLM's worker outlives its parent by
-        ~2 s, fixture engine_killed_run2) are our children too, so they are reaped here instead of
-        lingering as zombies.
+        Only that group: a global `waitpid(-1)` would steal the exit status of any other child of the
+        daemon (the `--help` probe's subprocess, a worker job's), as gunicorn's arbiter warns. With the
+        subreaper flag set, vLLM's processes orphaned by their parent (the worker outlives the API
+        server by ~2 s, fixture engine_killed_run2) are our children too and keep the engine's group,
+        so they are reaped here instead of lingering as zombies.
         """
-        reaped: list[tuple[int, int]] = []
+        reaped: list[tuple[int, ExitStatus]] = []
         while True:
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+                result = os.waitid(os.P_PGID, pgid, os.WEXITED | os.WNOHANG)
             except ChildProcessError:
                 return reaped
-            if pid == 0:
+            if result is None or result.si_pid == 0:
                 return reaped
-            reaped.append((pid, status))
+            reaped.append((result.si_pid, ExitStatus.from_waitid(result.si_code, result.si_status)))
 
     def group_pids(self, pgid: int) -> list[int]:
         """Live processes of the process group (zombies left out)."""

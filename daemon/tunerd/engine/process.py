@@ -5,9 +5,10 @@ the supervisor calls `poll(now)` every tick and gets back what happened (log eve
 tree gone); it decides what to do and calls `spawn`, `mark_ready`, `begin_stop`, `settle`. Every state
 change goes through `_change_state`, which checks the transition table and tells the listener.
 
-Stopping follows gunicorn/supervisor: SIGTERM to the process group, wait the graceful timeout, SIGKILL
-the group, reap. vLLM's processes share one group (fixture ok_start.json); a process that left the
-group is still found by tunerd's marker in its environment, so no process of the tree survives.
+Stopping follows gunicorn/supervisor: SIGTERM to the process group, wait the grace the caller chose,
+SIGKILL the group, reap (`stopper.Escalation`). vLLM's processes share one group (fixture
+ok_start.json); a process that left the group is still found by tunerd's marker in its environment, so
+no process of the tree survives. Only the engine's own group is reaped (`OsCalls.reap_group`).
 """
 
 from __future__ import annotations
@@ -20,10 +21,19 @@ from pathlib import Path
 
 from tunerd.core.exits import ExitStatus
 from tunerd.core.failures import EngineFailure, FailureKind, more_specific
+from tunerd.core.machine import MachineFacts
 from tunerd.core.params import EngineParams
 from tunerd.core.states import EngineState, check_transition
-from tunerd.engine.logwatch import InitEngineTook, KvCacheSize, LogEvent, LogFollower, classify_line
+from tunerd.engine.logwatch import (
+    InitEngineTook,
+    KvCacheSize,
+    LogEvent,
+    LogFollower,
+    StartReportReader,
+    classify_line,
+)
 from tunerd.engine.oscalls import SIGKILL, SIGTERM, OsCalls
+from tunerd.engine.stopper import Escalation
 
 MARKER_ENV = "TUNERD_INSTANCE"
 
@@ -46,16 +56,21 @@ class EngineRun:
     kv_cache: KvCacheSize | None = None
     init_seconds: float | None = None
     stop_reason: str | None = None
-    stop_started_mono: float | None = None
-    kill_sent: bool = False
+    stop: Escalation | None = None  # set once the stop began
     health_failures: int = 0
     base_url: str = ""  # where this run's vLLM listens (set by the supervisor at spawn)
     predicted_kv_tokens: int | None = None  # the planner's prediction for this start
+    machine: MachineFacts | None = None  # what the start's plan was made against (for the calibration)
     tail: list[str] = field(default_factory=list)
+    report: StartReportReader = field(default_factory=StartReportReader)  # fed until it serves
 
     @property
     def pgid(self) -> int:
         return self.pid
+
+    @property
+    def kill_sent(self) -> bool:
+        return self.stop is not None and self.stop.killed
 
     def uptime(self, now: float) -> float:
         return now - (self.ready_mono if self.ready_mono is not None else self.started_mono)
@@ -86,7 +101,7 @@ class Engine:
     """State machine around the current run. Single-threaded: only the main loop calls it."""
 
     TAIL_LINES = 40  # last output lines kept as evidence for the journal
-    KILL_WAIT_S = 10.0  # after SIGKILL, how long to wait for the tree before reporting survivors
+    TICK_S = 0.1  # how often a stop in progress wants looking at
 
     def __init__(
         self,
@@ -172,8 +187,8 @@ class Engine:
 
     # -- watching ------------------------------------------------------------------------------
 
-    def poll(self, now: float, graceful_s: float) -> list[EngineEvent]:
-        """Read new output, reap exited children, escalate a stop past its deadline.
+    def poll(self, now: float) -> list[EngineEvent]:
+        """Read new output, reap exited children of the engine's group, escalate a stop past its grace.
 
         Returns what happened since the last call, in order. Log events are returned in every state
         (the caller decides whether a fatal line matters; during STOPPING it does not: vLLM 0.32 prints
@@ -182,31 +197,30 @@ class Engine:
         run = self.run
         events: list[EngineEvent] = []
         if run is None:
-            self.os.reap_children()
             return events
         events.extend(self._read_output(run, final=False))
-        for pid, status in self.os.reap_children():
+        for pid, status in self.os.reap_group(run.pgid):
             if pid == run.pid and run.exit is None:
-                run.exit = ExitStatus.from_wait_status(status)
+                run.exit = status
                 events.extend(self._read_output(run, final=True))
-                events.append(Exited(run.exit))
+                events.append(Exited(status))
         if self.state is EngineState.STOPPING:
-            assert run.stop_started_mono is not None
-            if not run.kill_sent and now - run.stop_started_mono >= graceful_s:
+            assert run.stop is not None
+            alive = self.tree_pids() or ([] if run.exit is not None else [run.pid])
+            progress = run.stop.step(now, alive)
+            if progress.send_kill:
                 self._signal_tree(SIGKILL)
-                run.kill_sent = True
-            elapsed = now - run.stop_started_mono
-            left = self.tree_pids()
-            if run.exit is not None and not left:
-                events.append(TreeGone(run.kill_sent, elapsed))
-            elif run.kill_sent and elapsed >= graceful_s + self.KILL_WAIT_S:
-                events.append(TreeGone(True, elapsed, tuple(left)))
+            if progress.done:
+                events.append(TreeGone(progress.killed, progress.elapsed, progress.survivors))
         return events
 
     def _read_output(self, run: EngineRun, *, final: bool) -> list[LogEvent]:
         lines = run.follower.read_rest() if final else run.follower.read_lines()
         events: list[LogEvent] = []
+        starting = run.ready_mono is None
         for line in lines:
+            if starting:
+                run.report.feed(line)
             event = classify_line(line)
             if event is None:
                 continue
@@ -227,14 +241,19 @@ class Engine:
 
     # -- stopping ------------------------------------------------------------------------------
 
-    def begin_stop(self, now: float, reason: str) -> None:
-        """STARTING/RUNNING → STOPPING: SIGTERM to the group (and marked strays). Idempotent."""
+    def begin_stop(self, now: float, reason: str, grace_s: float) -> None:
+        """STARTING/RUNNING → STOPPING: SIGTERM to the group (and marked strays); SIGKILL after `grace_s`.
+
+        Idempotent: a stop already under way keeps its reason; a shorter grace shortens it.
+        """
         run = self.run
         assert run is not None
         if self.state is EngineState.STOPPING:
+            assert run.stop is not None
+            run.stop.hasten(grace_s)
             return
         run.stop_reason = reason
-        run.stop_started_mono = now
+        run.stop = Escalation(now, grace_s)
         self._signal_tree(SIGTERM)
         self._change_state(EngineState.STOPPING)
 
@@ -244,6 +263,7 @@ class Engine:
         assert run is not None and self.state is EngineState.STOPPING
         self._change_state(new)
         self.run = None
+        self.os.reap_group(run.pgid)  # a process of the group that died since the last look
         return run
 
     def tree_pids(self) -> list[int]:
@@ -253,6 +273,10 @@ class Engine:
         pids = set(self.os.group_pids(self.run.pgid))
         pids.update(self.os.marked_pids(MARKER_ENV, self.marker))
         return sorted(pids)
+
+    def kill_tree(self) -> None:
+        """SIGKILL the current run's group and marked strays now (last resort; no state change)."""
+        self._signal_tree(SIGKILL)
 
     def _signal_tree(self, sig: int) -> None:
         assert self.run is not None

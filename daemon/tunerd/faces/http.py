@@ -1,14 +1,14 @@
-"""tunerd's own endpoint on 127.0.0.1:9464: Prometheus `/metrics` (tunerd_*), `/status` JSON, commands.
+"""tunerd's read-only endpoint on 127.0.0.1:9464: Prometheus `/metrics` (tunerd_*) and `/status` JSON.
 
-The main loop publishes; HTTP handler threads only read the last published snapshot (an immutable
-reference swap) or post a command to the loop's queue.
+The main loop publishes; handler threads only read the last published snapshot (an immutable reference
+swap). Nothing here changes the daemon: commands go over the operator socket (`faces.operator`), whose
+file permissions decide who may use them.
 """
 
 from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -16,22 +16,36 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tunerd.records.metrics import Metrics
 
-COMMANDS = frozenset({"resume", "restart"})
-MAX_COMMAND_BODY = 64 * 1024
+REQUEST_TIMEOUT_S = 5.0  # a client that stops sending holds a handler thread this long at most
+
+
+class QuietHandler(BaseHTTPRequestHandler):
+    """Base handler: bounded reads, JSON replies, no access log (scrapes every few seconds would flood
+    the daemon's log)."""
+
+    server_version = "tunerd"
+    timeout = REQUEST_TIMEOUT_S
+
+    def reply(self, code: int, body: bytes, content_type: str = "application/json") -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def reply_json(self, code: int, document: Any) -> None:
+        self.reply(code, json.dumps(document, default=str).encode() + b"\n")
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
 
 
 class Exporter:
-    """Serves `/metrics`, `/status` and `POST /resume` from a daemon thread."""
+    """Serves `GET /metrics` and `GET /status` from a daemon thread."""
 
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        metrics: Metrics,
-        post_command: Callable[[str, dict[str, Any]], str | None],
-    ) -> None:
+    def __init__(self, host: str, port: int, metrics: Metrics, socket_path: str) -> None:
         self.metrics = metrics
-        self.post_command = post_command
+        self.socket_path = socket_path  # named in the answer to a command sent here
         self._snapshot: dict[str, Any] = {}
         self._server = ThreadingHTTPServer((host, port), self._handler_class())
         self._server.daemon_threads = True
@@ -56,48 +70,20 @@ class Exporter:
     def _handler_class(self) -> type[BaseHTTPRequestHandler]:
         exporter = self
 
-        class Handler(BaseHTTPRequestHandler):
-            server_version = "tunerd"
-
+        class Handler(QuietHandler):
             def do_GET(self) -> None:
-                if self.path.split("?")[0] == "/metrics":
-                    self._reply(200, generate_latest(exporter.metrics.registry), CONTENT_TYPE_LATEST)
-                elif self.path.split("?")[0] == "/status":
-                    body = json.dumps(exporter._snapshot, default=str).encode()
-                    self._reply(200, body, "application/json")
+                path = self.path.split("?")[0]
+                if path == "/metrics":
+                    self.reply(200, generate_latest(exporter.metrics.registry), CONTENT_TYPE_LATEST)
+                elif path == "/status":
+                    self.reply(200, json.dumps(exporter._snapshot, default=str).encode())
                 else:
-                    self._reply(404, b"not found\n", "text/plain")
+                    self.reply(404, b"not found\n", "text/plain")
 
             def do_POST(self) -> None:
-                name = self.path.strip("/")
-                if name not in COMMANDS:
-                    self._reply(404, b"unknown command\n", "text/plain")
-                    return
-                length = int(self.headers.get("Content-Length") or 0)
-                if length > MAX_COMMAND_BODY:
-                    self._reply(413, b'{"error": "body too large"}\n', "application/json")
-                    return
-                try:
-                    payload = json.loads(self.rfile.read(length) or b"{}")
-                except ValueError:
-                    payload = None
-                if not isinstance(payload, dict):
-                    self._reply(400, b'{"error": "the body must be a JSON object"}\n', "application/json")
-                    return
-                error = exporter.post_command(name, payload)
-                if error is not None:
-                    self._reply(400, json.dumps({"error": error}).encode() + b"\n", "application/json")
-                    return
-                self._reply(202, b'{"accepted": true}\n', "application/json")
+                hint = f"read-only endpoint: commands go over the unix socket {exporter.socket_path}"
+                self.reply_json(405, {"error": hint})
 
-            def _reply(self, code: int, body: bytes, content_type: str) -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass  # scrapes every few seconds would flood the daemon's log
+            do_PUT = do_DELETE = do_PATCH = do_POST
 
         return Handler

@@ -7,8 +7,7 @@ read is None.
 
 from __future__ import annotations
 
-import hashlib
-import os
+import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from typing import Any
 import httpx
 
 from tunerd.observe.gpu import GpuCollector
+from tunerd.observe.model.directory import model_fingerprint
 
 HELP_TIMEOUT_S = 180.0  # `vllm serve --help` imports vLLM: 10-20 s on a small CPU
 
@@ -40,15 +40,20 @@ class EngineIdentity:
 
 
 def probe_capabilities(command: Sequence[str], env: Mapping[str, str]) -> Capabilities:
-    """Run `command --help` (niced, bounded) and look for the flags tunerd can use."""
+    """Run `command --help` (niced, bounded) and look for the flags tunerd can use.
+
+    `nice` is in the argv rather than a `preexec_fn`: the daemon has threads, and code between fork and
+    exec in a threaded process can deadlock (Python's subprocess docs). Niced so that it never competes
+    with a vLLM that is starting.
+    """
+    nice = ["nice", "-n", "10"] if shutil.which("nice", path=env.get("PATH")) else []
     try:
         done = subprocess.run(
-            [*command, "--help"],
+            [*nice, *command, "--help"],
             env=dict(env),
             capture_output=True,
             text=True,
             timeout=HELP_TIMEOUT_S,
-            preexec_fn=lambda: os.nice(10),  # never compete with a vLLM that is starting
             check=False,
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -78,22 +83,16 @@ def _vllm_version(base_url: str) -> str | None:
 
 
 def model_identity(model: str) -> dict[str, Any]:
-    """A model directory's fingerprint: config.json's hash and the weight files' total size.
-
-    Cheap (no weights read): a changed config or a re-downloaded checkpoint of another size shows; a
-    repo id (not a directory) is identified by its name only.
-    """
+    """The served model's identity: for a local directory the planner's fingerprint (config.json and
+    the weight files' names and sizes: `observe.model.directory.model_fingerprint`); a repo id (not a
+    directory) is identified by its name only."""
     path = Path(model)
     if not path.is_dir():
         return {"id": model}
-    identity: dict[str, Any] = {"path": str(path)}
     try:
-        identity["config_sha256"] = hashlib.sha256((path / "config.json").read_bytes()).hexdigest()[:16]
+        return {"path": str(path), "fingerprint": model_fingerprint(path)}
     except OSError:
-        identity["config_sha256"] = None
-    weights = [p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf")]
-    identity["weights_bytes"] = sum(p.stat().st_size for p in weights if p.is_file())
-    return identity
+        return {"path": str(path), "fingerprint": None}
 
 
 def identity_changes(before: Mapping[str, Any] | None, after: Mapping[str, Any]) -> dict[str, Any]:

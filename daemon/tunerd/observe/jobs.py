@@ -9,8 +9,9 @@ from __future__ import annotations
 import queue
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import structlog
@@ -23,6 +24,9 @@ from tunerd.observe.memory import read_memory
 from tunerd.observe.poller import Poller
 
 log = structlog.get_logger("tunerd")
+
+WAKE = "wake"  # event: a submitted job finished (the loop only wakes up and steps)
+T = TypeVar("T")
 
 STARTING_PROBE_S = 0.25  # real vLLM refuses connections until it serves; then /health is 200 at once
 
@@ -115,6 +119,21 @@ class ObserveJobs:
                 self.events.put(result)
 
         self._scheduler.add_job(run)
+
+    def submit(self, job: Callable[[], T]) -> Future[T]:
+        """Run `job` in a worker thread now; the returned future holds its result (or exception). The
+        loop is woken (a `WAKE` event) when it is done, so whoever waits on it looks again at once."""
+        future: Future[T] = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(job())
+            except Exception as exc:
+                future.set_exception(exc)
+            self.events.put(WAKE)
+
+        self._scheduler.add_job(run)
+        return future
 
     def stop(self) -> None:
         self._scheduler.shutdown(wait=False)

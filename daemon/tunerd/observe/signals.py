@@ -12,11 +12,8 @@ name: names ending in `_total` (plus `extra_counters`) are counters, all others 
   increases in the window; no observation in the window → None.
 Cost: a poll appends to one deque per input, dropping that series' points older than the window as it
 goes; rates and quantiles use only the first and last point of a series (resets are folded into an
-offset at add time), averages a C-level `fsum`, max and min a monotonic queue (so no signal re-scans
-the window), the three quantiles of a histogram one monotonic pass and a bisection each, none without
-observations; signals are computed per kind and cached until the next poll. `update` with vLLM's
-samples: ~0.05 ms of CPU hot, ~0.17 ms with the cold caches of a once-a-second poll (from ~0.08 and
-~0.22 ms; bench/poll_cost.py's "signal window").
+offset at add time), max and min a monotonic queue, so no signal re-scans the window; signals are
+computed per kind and cached until the next poll (bench/poll_cost.py measures the whole poll).
 """
 
 from __future__ import annotations
@@ -121,9 +118,7 @@ class _Series:
 
 class _Extremes:
     """The window's max and min of one gauge, kept as points come and go (monotonic queues), so that
-    they cost the same however many polls the window holds: a 60 s window polled every 30 ms, as
-    bench/poll_cost.py does, holds ~2000, and re-scanning them for 4 signals cost ~0.1 ms. (Averages
-    stay an exact `math.fsum` over the window: C-speed, ~1 µs for 60 points.)
+    they cost the same however many polls the window holds. (Averages stay an exact `math.fsum`.)
 
     `high`/`low` hold (time, value) with values strictly decreasing/increasing: the max/min is the first.
     """

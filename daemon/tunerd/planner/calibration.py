@@ -1,26 +1,26 @@
 """Calibration: what vLLM reported about memory at a start, and the non-KV memory it implies (pure).
 
 The non-KV part of vLLM's memory (CPU: the worker's RSS; GPU: weights + activation peak + non-torch +
-CUDA graphs) cannot be derived from the model directory. One start tells it: `parse_calibration` reads
-vLLM's start-up lines, `calibrate` turns them into exact non-KV bounds, `combine_calibrations` merges
-several starts of one configuration (`calibration_key`). Calibrating from the exact token count pins the
-KV memory to one block; the GiB figures in the log are rounded to 2 decimals and are only used where
-nothing better exists. Which stored calibration applies is `pick_calibration`; the file itself is
-`tunerd.records.calibrations`.
+CUDA graphs) cannot be derived from the model directory. One start tells it: the engine's log reader
+gathers vLLM's start-up lines into a `StartReport` (`tunerd.engine.logwatch`), `calibrate` turns it
+into exact non-KV bounds, `combine_calibrations` merges several starts of one configuration
+(`calibration_key`). Calibrating from the exact token count pins the KV memory to one block; the GiB
+figures in the log are rounded to 2 decimals and are only used where nothing better exists. Which
+stored calibration applies is `pick_calibration`; the file itself is `tunerd.records.calibrations`.
 """
 
 from __future__ import annotations
 
 import math
-import re
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from tunerd.core.machine import MemoryFacts
 from tunerd.core.model import ModelInfo
 from tunerd.core.params import Backend, EngineParams
+from tunerd.core.report import StartReport
 from tunerd.core.units import GiB
 from tunerd.planner.device_memory import DEFAULT_GPU_MEMORY_UTILIZATION, utilization_total
 from tunerd.planner.kv_math import (
@@ -31,63 +31,17 @@ from tunerd.planner.kv_math import (
     kv_layout,
 )
 
-_RE_KV_SIZE = re.compile(
-    r"(?:(GPU|CPU|XPU|TPU|HPU)(?: \+ host)? )?KV cache size: ([\d,]+) tokens"
-    r"(?:, Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x)?"
-)
-_RE_CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
-_RE_AVAILABLE_KV = re.compile(r"Available KV cache memory: ([\d.]+) GiB")
-_RE_MODEL_LOADING = re.compile(r"Model loading took ([\d.]+) GiB")
-_RE_CPU_AUTO = re.compile(
-    r"Auto set \(([\d.]+)/([\d.]+)\) GiB for KV cache on node (\d+), with ([\d.]+) GiB requested memory"
-    r" for the worker\. ([\d.]+) GiB memory was consumed by non-kv usages"
-)
-_RE_CPU_EXPLICIT = re.compile(r"Explicitly set \(([\d.]+)/([\d.]+)\) GiB for KV cache on node (\d+)")
-_RE_GPU_EXPLICIT = re.compile(
-    r"reserved ([\d.]+) GiB memory for KV Cache as specified by kv_cache_memory_bytes"
-)
-_RE_ESTIMATE = re.compile(
-    r"max seq len \((\d+)\).*?(?:the estimated maximum model length is (\d+))?\. Try increasing"
-)
-_RE_ESTIMATE_ONLY = re.compile(r"estimated maximum model length is (\d+)")
-_RE_FREE_AT_START = re.compile(
-    r"Free memory on device (\S+) \(([\d.]+)/([\d.]+) GiB\) on startup is less than desired GPU memory "
-    r"utilization \(([\d.]+), ([\d.]+) GiB\)"
-)
-_RE_VERSION = re.compile(r"Initializing a V1 LLM engine \(v([^)]+)\)")
-_RE_MAX_SEQ_LEN = re.compile(r"max_seq_len=(\d+)")
-
 
 @dataclass(frozen=True)
-class Calibration:
-    """What one vLLM start reported about memory, plus (after `calibrate`) the non-KV memory it implies.
+class Calibration(StartReport):
+    """What one vLLM start reported about memory (the `StartReport` fields, from its log), plus what
+    `calibrate` derives from it: the non-KV memory it implies.
 
-    Log fields are None when the line was absent. GiB figures are as logged (rounded to 2 decimals).
-    Derived fields (`num_blocks` onwards) are filled by `calibrate()`: `non_kv_low..non_kv_high` is the
-    exact integer range of the non-KV memory (CPU: worker RSS; GPU: weights + activations + non-torch +
-    CUDA graphs) consistent with the logged token count; `non_kv_bytes` its midpoint; `samples` how many
-    starts were combined (`combine_calibrations`).
+    `non_kv_low..non_kv_high` is the exact integer range of the non-KV memory (CPU: worker RSS; GPU:
+    weights + activations + non-torch + CUDA graphs) consistent with the logged token count;
+    `non_kv_bytes` its midpoint; `samples` how many starts were combined (`combine_calibrations`).
     """
 
-    device: str | None = None
-    kv_cache_tokens: int | None = None
-    kv_max_model_len: int | None = None
-    max_concurrency: float | None = None
-    available_kv_gib: float | None = None
-    model_loading_gib: float | None = None
-    cpu_kv_gib: float | None = None
-    cpu_node_total_gib: float | None = None
-    cpu_node: int | None = None
-    cpu_requested_gib: float | None = None
-    cpu_non_kv_gib: float | None = None
-    cpu_kv_explicit: bool | None = None
-    gpu_kv_explicit_gib: float | None = None
-    refused_max_model_len: int | None = None
-    estimated_max_model_len: int | None = None
-    free_at_start_gib: float | None = None
-    total_at_start_gib: float | None = None
-    requested_at_start_gib: float | None = None
-    vllm_version: str | None = None
     # Derived by calibrate() / combine_calibrations():
     backend: str | None = None
     gpu_memory_utilization: float | None = None
@@ -118,79 +72,13 @@ class Calibration:
         return cls(**values)
 
 
-def _num(text: str) -> int:
-    return int(text.replace(",", ""))
-
-
-def parse_calibration(lines: Iterable[str]) -> Calibration:
-    """Extract vLLM's own memory report from start-up log lines (any vLLM version seen: 0.24 GPU, 0.32 CPU).
-
-    Recognized: "KV cache size: N tokens[, Maximum concurrency for L tokens per request: Cx]" (and the
-    separate concurrency line of older versions), "Available KV cache memory: X GiB", "Model loading took X
-    GiB", the CPU worker's "Auto set (X/Y) GiB for KV cache on node N, with R GiB requested memory ... Z GiB
-    memory was consumed by non-kv usages" and "Explicitly set (X/Y) GiB", the refusal's "max seq len (L) ...
-    the estimated maximum model length is N", and "Free memory on device ... (F/T GiB) on startup is less
-    than desired GPU memory utilization (U, R GiB)". The first occurrence of each wins.
-    """
-    found: dict[str, Any] = {}
-
-    def put(key: str, value: Any) -> None:
-        found.setdefault(key, value)
-
-    for line in lines:
-        if m := _RE_KV_SIZE.search(line):
-            put("device", m.group(1))
-            put("kv_cache_tokens", _num(m.group(2)))
-            if m.group(3):
-                put("kv_max_model_len", _num(m.group(3)))
-                put("max_concurrency", float(m.group(4)))
-        if (m := _RE_CONCURRENCY.search(line)) and "kv_max_model_len" not in found:
-            put("kv_max_model_len", _num(m.group(1)))
-            put("max_concurrency", float(m.group(2)))
-        if m := _RE_AVAILABLE_KV.search(line):
-            put("available_kv_gib", float(m.group(1)))
-        if m := _RE_MODEL_LOADING.search(line):
-            put("model_loading_gib", float(m.group(1)))
-        if m := _RE_CPU_AUTO.search(line):
-            put("cpu_kv_gib", float(m.group(1)))
-            put("cpu_node_total_gib", float(m.group(2)))
-            put("cpu_node", int(m.group(3)))
-            put("cpu_requested_gib", float(m.group(4)))
-            put("cpu_non_kv_gib", float(m.group(5)))
-            put("cpu_kv_explicit", False)
-        if m := _RE_CPU_EXPLICIT.search(line):
-            put("cpu_kv_gib", float(m.group(1)))
-            put("cpu_node_total_gib", float(m.group(2)))
-            put("cpu_node", int(m.group(3)))
-            put("cpu_kv_explicit", True)
-        if m := _RE_GPU_EXPLICIT.search(line):
-            put("gpu_kv_explicit_gib", float(m.group(1)))
-        if "max seq len" in line and (m := _RE_ESTIMATE.search(line)):
-            put("refused_max_model_len", int(m.group(1)))
-            put("estimated_max_model_len", int(m.group(2)) if m.group(2) else 0)
-        elif m := _RE_ESTIMATE_ONLY.search(line):
-            put("estimated_max_model_len", int(m.group(1)))
-        if m := _RE_FREE_AT_START.search(line):
-            put("free_at_start_gib", float(m.group(2)))
-            put("total_at_start_gib", float(m.group(3)))
-            put("requested_at_start_gib", float(m.group(5)))
-        if m := _RE_VERSION.search(line):
-            put("vllm_version", m.group(1))
-        if (m := _RE_MAX_SEQ_LEN.search(line)) and "Initializing" in line:
-            put("_max_seq_len", int(m.group(1)))
-    max_seq_len = found.pop("_max_seq_len", None)
-    if "kv_max_model_len" not in found and max_seq_len is not None:
-        found["kv_max_model_len"] = max_seq_len
-    return Calibration(**found)
-
-
 def gib_interval(gib: float) -> tuple[int, int]:
     """The byte range a GiB figure rounded to 2 decimals (vLLM `format_gib`) can stand for."""
     return math.ceil((gib - 0.005) * GiB), math.floor((gib + 0.005) * GiB)
 
 
 def calibrate(
-    parsed: Calibration,
+    parsed: StartReport,
     model: ModelInfo,
     params: EngineParams,
     facts: MemoryFacts,
@@ -209,6 +97,8 @@ def calibrate(
     then only checks the planner's block arithmetic against vLLM's (a mismatch becomes a note).
     """
     notes: list[str] = []
+    if not isinstance(parsed, Calibration):
+        parsed = Calibration(**asdict(parsed))
     block_size = params.block_size or default_block_size(model, backend)
     try:
         layout = kv_layout(model, params.kv_cache_dtype, block_size)
@@ -257,7 +147,7 @@ def calibrate(
 
 
 def _kv_pool_from_log(
-    parsed: Calibration, max_len: int | None, layout: KVLayout, backend: Backend, notes: list[str]
+    parsed: StartReport, max_len: int | None, layout: KVLayout, backend: Backend, notes: list[str]
 ) -> tuple[int | None, int | None, int | None]:
     """(num_blocks, lowest, highest KV pool bytes) that vLLM's log allows; appends to `notes` where the
     log and the planner's block arithmetic disagree.

@@ -139,11 +139,22 @@ def load_model_info(model_dir: str | Path) -> ModelInfo:
     serving = resolve_serving_dtype(config_dtype(config))
     files, index = _weight_files(root)
     weights = _read_weights(root, files, index, serving, quant)
-    present = {name: (root / name).stat().st_size for name in files if (root / name).is_file()}
     return model_info_from_config(
         config,
         path=str(root),
         tokenizer_config=tokenizer_config,
         weights=weights,
-        identity=model_identity(config_bytes, present),
+        identity=model_identity(config_bytes, _file_sizes(root, files)),
     )
+
+
+def model_fingerprint(model_dir: str | Path) -> str:
+    """The model's identity (`ModelInfo.identity`): config.json's bytes and the weight files' names and
+    sizes, hashed; no weights are read. Raises OSError when config.json can't be read."""
+    root = Path(model_dir)
+    files, _ = _weight_files(root)
+    return model_identity((root / "config.json").read_bytes(), _file_sizes(root, files))
+
+
+def _file_sizes(root: Path, files: list[str]) -> dict[str, int]:
+    return {name: (root / name).stat().st_size for name in files if (root / name).is_file()}
