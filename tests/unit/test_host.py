@@ -1,4 +1,5 @@
-"""Host collector against fake /proc trees, and a smoke test against this machine's /proc."""
+"""Host collector and the procfs memory readers against fake /proc trees, and a smoke test against this
+machine's /proc."""
 
 from __future__ import annotations
 
@@ -9,16 +10,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tunerd.observe import host
-from tunerd.observe.host import (
-    HostCollector,
-    PsiLine,
-    pci_sysfs_name,
-    read_memory_pressure,
-    read_pci_numa_node,
-)
-from tunerd.procfs.memory import read_meminfo
-from tunerd.procfs.processes import ProcFiles
+from tunerd.observe.host import HostCollector, pci_sysfs_name, read_pci_numa_node
+from tunerd.procfs import memory
+from tunerd.procfs.memory import PsiLine, read_meminfo, read_memory_pressure, read_vmstat
 
 KIB = 1024
 
@@ -173,25 +167,17 @@ def test_kernel_without_psi_gives_none_not_zero(tmp_path: Path) -> None:
 def test_psi_disabled_with_eopnotsupp_gives_none(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # psi=0 on the kernel command line: the file exists but reading it fails with EOPNOTSUPP.
     proc = make_proc(tmp_path)
-    real_read = host._read_text
+    real_read = memory._read
 
     def read(path: str) -> str:
         if path.endswith("/pressure/memory"):
             raise OSError(errno.EOPNOTSUPP, "Operation not supported")
         return real_read(path)
 
-    monkeypatch.setattr(host, "_read_text", read)
+    monkeypatch.setattr(memory, "_read", read)
     assert read_memory_pressure(str(proc)) is None
-    # The collector reads through descriptors it keeps open (procfs.ProcFiles): fail the same read there.
-    real_pread = ProcFiles.read
-
-    def pread(files: ProcFiles, name: str, *, to_eof: bool = False) -> bytes:
-        if name == "pressure/memory":
-            raise OSError(errno.EOPNOTSUPP, "Operation not supported")
-        return real_pread(files, name, to_eof=to_eof)
-
-    monkeypatch.setattr(ProcFiles, "read", pread)
-    assert fake_collector(proc).sample().pressure is None
+    s = fake_collector(proc).sample()
+    assert s.pressure is None and s.mem_total_bytes == 127600748 * KIB
 
 
 def test_psi_without_full_line_keeps_some(tmp_path: Path) -> None:
@@ -277,29 +263,34 @@ def test_smoke_on_this_machines_proc() -> None:
         assert r["host.psi_some_total_us"] is not None
 
 
-def test_psi_in_another_layout_is_read_word_by_word_and_garbage_is_none(tmp_path: Path) -> None:
+def test_psi_fields_are_read_by_name_in_any_order_and_garbage_is_none(tmp_path: Path) -> None:
     (tmp_path / "pressure").mkdir()
     psi_file = tmp_path / "pressure" / "memory"
     psi_file.write_text("some total=5 avg300=0.10 avg60=0.50 avg10=1.25\n")
     psi = read_memory_pressure(str(tmp_path))
     assert psi is not None and psi.some == PsiLine(1.25, 0.5, 0.1, 5) and psi.full is None
-    psi_file.write_text("some avg10=1.2.3 avg60=0.50 avg300=0.10 total=5\n")
-    assert read_memory_pressure(str(tmp_path)) is None
+    for garbage in ("some avg10=1.2.3 avg60=0.50 avg300=0.10 total=5\n", "some avg10=1.25\n", "full\n", ""):
+        psi_file.write_text(garbage)
+        assert read_memory_pressure(str(tmp_path)) is None
 
 
-def test_rss_comes_from_statm_and_files_of_pids_no_longer_sampled_are_closed(tmp_path: Path) -> None:
+def test_vmstat_keeps_name_value_lines_only(tmp_path: Path) -> None:
+    (tmp_path / "vmstat").write_text(VMSTAT + "odd line with words\nnr_bad x\n")
+    vm = read_vmstat(str(tmp_path))
+    assert (vm["pgfault"], vm["pswpout"], vm["workingset_nodes"]) == (987654321, 42, -3)
+    assert "nr_bad" not in vm and "odd" not in vm
+    with pytest.raises(OSError):
+        read_vmstat(str(tmp_path / "nothing"))
+
+
+def test_rss_comes_from_statm_and_every_sample_reads_the_files_afresh(tmp_path: Path) -> None:
     proc = make_proc(tmp_path)
     (proc / "1809" / "statm").write_text(f"9 {1000000 // 4} 0 0 0 0 0\n")  # statm wins over status
     collector = fake_collector(proc)
-    fds = Path("/proc/self/fd")
-    before = len(list(fds.iterdir())) if fds.exists() else None
     assert collector.sample([1745, 1809]).engine.rss_bytes == (1275256 + 1000000) * KIB  # type: ignore[union-attr]
     (proc / "meminfo").write_text(MEMINFO.replace("118566368", "118000000"))  # rewritten, as procfs is
+    (proc / "1809" / "statm").write_text(f"9 {2000000 // 4} 0 0 0 0 0\n")
     second = collector.sample([1809])
     assert second.mem_available_bytes == 118000000 * KIB
     assert second.engine is not None and second.engine.pids == (1809,)
-    if before is not None:  # meminfo, vmstat, pressure/memory, 1809/stat, 1809/statm
-        assert len(list(fds.iterdir())) == before + 5
-    collector.close()
-    if before is not None:
-        assert len(list(fds.iterdir())) == before
+    assert second.engine.rss_bytes == 2000000 * KIB

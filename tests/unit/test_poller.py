@@ -1,5 +1,6 @@
 """poller: one poll against a local server that filters /metrics by `name[]` like vLLM's — the static
-`vllm:cache_config_info` is asked for once per run and carried on, the whole page is the fallback."""
+`vllm:cache_config_info` is asked for once per run and carried on, the whole page is the fallback, and
+the polls share one keep-alive connection."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ class FakeVllm(BaseHTTPRequestHandler):
         path, _, query = self.path.partition("?")
         names = [v for k, v in urllib.parse.parse_qsl(query) if k == "name[]"]
         self.server.asked.append((path, names))  # type: ignore[attr-defined]
+        self.server.peers.append(self.client_address)  # type: ignore[attr-defined]
         if path == "/metrics/" and self.server.filtering:  # type: ignore[attr-defined]
             lines = [
                 line
@@ -59,6 +61,7 @@ class FakeVllm(BaseHTTPRequestHandler):
 def vllm() -> Iterator[ThreadingHTTPServer]:
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeVllm)
     httpd.asked = []  # type: ignore[attr-defined]
+    httpd.peers = []  # type: ignore[attr-defined]
     httpd.filtering = True  # type: ignore[attr-defined]
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
@@ -87,6 +90,7 @@ def test_cache_config_is_asked_for_once_per_run_and_carried_on(vllm: ThreadingHT
     expected = extract(METRICS)
     samples = [poller.poll().scrape for _ in range(3)]
     assert asked_for_info(vllm) == [True, False, False]
+    assert len(set(vllm.peers)) == 1  # type: ignore[attr-defined]  # one keep-alive connection for all
     for scrape in samples:
         assert scrape is not None and scrape.error is None and scrape.sample is not None
         assert scrape.sample.cache_config == expected.cache_config  # the run's, on every sample

@@ -13,13 +13,12 @@ from pathlib import Path
 import pytest
 
 from tunerd.procfs.processes import (
-    ProcFiles,
     list_pids,
-    parse_stat_faults,
     parse_statm_rss_bytes,
     pids_in_group,
     pids_with_env,
     process_tree_pids,
+    read_rss_bytes,
     read_stat,
 )
 
@@ -168,12 +167,14 @@ def test_real_child_tree_is_found_by_tree_group_and_marker() -> None:
     assert pids_with_env("TUNERD_TEST_MARKER", marker) == []
 
 
-def test_statm_rss_in_pages_and_zombie_zero() -> None:
+def test_statm_rss_in_pages_and_zombie_zero(tmp_path: Path) -> None:
     assert parse_statm_rss_bytes(b"5000 250 100 10 0 900 0\n", page_size=4096) == 250 * 4096
     assert parse_statm_rss_bytes(b"0 0 0 0 0 0 0\n") == 0  # a zombie: no memory map left
     assert parse_statm_rss_bytes(b"garbage") is None
-    assert parse_stat_faults(b"5 (a) b) c) S 1 5 5 0 -1 0 123 7 45 3 0 0\n") == (123, 45)
-    assert parse_stat_faults(b"garbage") is None
+    (tmp_path / "7").mkdir()
+    (tmp_path / "7" / "statm").write_text("5000 250 100 10 0 900 0\n")
+    assert read_rss_bytes(7, str(tmp_path), page_size=4096) == 250 * 4096
+    assert read_rss_bytes(8, str(tmp_path)) is None  # vanished
 
 
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux procfs")
@@ -187,36 +188,3 @@ def test_statm_rss_is_the_vmrss_of_status() -> None:
         if statm == vmrss_kb * 1024:
             return
     pytest.fail("statm's resident pages never matched status' VmRSS")
-
-
-def test_kept_files_read_fresh_content_and_close_on_request(tmp_path: Path) -> None:
-    (tmp_path / "meminfo").write_text("MemTotal: 1 kB\n")
-    write_proc_pid(tmp_path, 11, minflt=5)
-    files = ProcFiles(str(tmp_path))
-    assert files.read("meminfo") == b"MemTotal: 1 kB\n"
-    (tmp_path / "meminfo").write_text("MemTotal: 22 kB\n")  # rewritten in place, like procfs content
-    assert files.read("meminfo") == b"MemTotal: 22 kB\n"
-    assert parse_stat_faults(files.read("11/stat")) == (5, 0)
-    opened = len(os.listdir("/proc/self/fd")) if Path("/proc/self/fd").exists() else None
-    files.keep_only(["meminfo"])
-    if opened is not None:
-        assert len(os.listdir("/proc/self/fd")) == opened - 1
-    with pytest.raises(OSError):
-        files.read("12/stat")  # never existed
-    files.close()
-    assert files.read("meminfo") == b"MemTotal: 22 kB\n"  # reopens after close
-    files.close()
-
-
-@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux procfs")
-def test_kept_file_of_an_exited_process_fails_instead_of_reading_another() -> None:
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    files = ProcFiles()
-    try:
-        assert parse_stat_faults(files.read(f"{child.pid}/stat")) is not None
-    finally:
-        child.kill()
-        child.wait(timeout=10)
-    with pytest.raises(OSError):  # ESRCH: the descriptor stays bound to the exited process
-        files.read(f"{child.pid}/stat")
-    files.close()

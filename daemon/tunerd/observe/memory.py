@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from tunerd.core.machine import MemoryReading
-from tunerd.observe.host import read_memory_pressure
-from tunerd.procfs.memory import read_meminfo
+from tunerd.procfs.memory import read_meminfo, read_memory_pressure
 
 
 def read_memory(proc: str = "/proc") -> MemoryReading:

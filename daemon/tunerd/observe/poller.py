@@ -17,8 +17,7 @@ import httpx
 
 from tunerd.observe.gpu import GpuCollector, GpuSample
 from tunerd.observe.host import HostCollector, HostSample
-from tunerd.observe.http_transport import LoopbackClient
-from tunerd.observe.vllm_metrics import ScrapeResult, filtered_metrics_url, metrics_request, scrape
+from tunerd.observe.vllm_metrics import ScrapeResult, filtered_metrics_url, scrape
 from tunerd.procfs import processes as procfs
 
 PIDS_REFRESH_S = 10.0  # walking /proc for the engine's tree costs ~1 ms: not every poll
@@ -69,8 +68,8 @@ class Poller:
     """One poll per `tick()`; results go to `events`. Keeps only per-run bookkeeping of its own.
 
     Per run it asks vLLM for `vllm:cache_config_info` only until one answer has it (static for a run, and
-    a tenth of the filtered answer); later samples carry that `cache_config` on. The requests are built
-    once per run and sent again each poll (`metrics_request`).
+    a large share of the filtered answer); later samples carry that `cache_config` on. Scrapes go over
+    one keep-alive `httpx.Client` (no proxies from the environment: vLLM is local).
     """
 
     def __init__(
@@ -88,12 +87,11 @@ class Poller:
         self.gpu = gpu or GpuCollector(proc=proc)
         self.proc = proc
         self.clock = clock
-        self.client = LoopbackClient()
+        self.client = httpx.Client(trust_env=False)
         self._run_id: int | None = None
         self._faults = FaultCounter()
         self._pids: list[int] = []
         self._pids_at = float("-inf")
-        self._request: httpx.Request | None = None  # the next scrape's request; None: build it
         self._filtered = True  # False once vLLM (or a proxy) refused /metrics/?name[]=…
         self._cache_config: Mapping[str, str] | None = None  # the run's, once read
 
@@ -122,7 +120,7 @@ class Poller:
         self._run_id = target.run_id if target else None
         self._faults = FaultCounter()
         self._pids, self._pids_at = [], float("-inf")
-        self._request, self._filtered, self._cache_config = None, True, None
+        self._filtered, self._cache_config = True, None
 
     def _engine_pids(self, target: PollTarget | None, now: float) -> list[int]:
         if target is None:
@@ -135,28 +133,21 @@ class Poller:
     def _scrape(self, target: PollTarget | None) -> ScrapeResult | None:
         if target is None or target.base_url is None:
             return None
-        if self._request is None:
-            self._request = self._build_request(target.base_url)
-        result = scrape(self.client, self._request, cache_config=self._cache_config)
+        result = scrape(self.client, self._metrics_url(target.base_url), cache_config=self._cache_config)
         if result.error is not None and self._filtered and result.error.startswith("HTTP "):
             # A vLLM (or proxy) that does not serve /metrics/?name[]=…: fall back to the whole page.
             self._filtered = False
-            self._request = self._build_request(target.base_url)
-            result = scrape(self.client, self._request, cache_config=self._cache_config)
+            result = scrape(self.client, self._metrics_url(target.base_url), cache_config=self._cache_config)
         sample = result.sample
         if sample is not None and sample.cache_config is not None and self._cache_config is None:
             # The run's first: carried on from now on, and no longer asked for (when filtering).
             self._cache_config = sample.cache_config
-            if self._filtered:
-                self._request = None
         return result
 
-    def _build_request(self, base_url: str) -> httpx.Request:
+    def _metrics_url(self, base_url: str) -> str:
         if not self._filtered:
-            url = base_url + "/metrics"
-        else:
-            url = filtered_metrics_url(base_url, cache_config=self._cache_config is None)
-        return metrics_request(self.client, url)
+            return base_url + "/metrics"
+        return filtered_metrics_url(base_url, cache_config=self._cache_config is None)
 
     def _sample_host(self, pids: list[int]) -> HostSample | None:
         try:
@@ -166,4 +157,3 @@ class Poller:
 
     def close(self) -> None:
         self.client.close()
-        self.host.close()

@@ -12,12 +12,9 @@ child, `VLLM::EngineCore` and, on some backends, a `VLLM::Worker` grandchild
 from __future__ import annotations
 
 import os
-import weakref
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
-_READ_SIZE = 65536  # larger than any file read here: one read returns a single-record file whole
 
 
 @dataclass(frozen=True)
@@ -90,75 +87,15 @@ def parse_statm_rss_bytes(raw: bytes, page_size: int = PAGE_SIZE) -> int | None:
         return None
 
 
-def parse_stat_faults(raw: bytes) -> tuple[int, int] | None:
-    """(minflt, majflt) from the content of a `<pid>/stat` file; None if it is malformed."""
-    # comm may hold spaces and ')': the fields we want follow the last ')'.
-    close = raw.rfind(b")")
-    if close < 0:
-        return None
-    rest = raw[close + 2 :].split(None, 10)
+def read_rss_bytes(pid: int, proc: str = "/proc", page_size: int = PAGE_SIZE) -> int | None:
+    """The resident memory of `pid` in bytes, from `<proc>/<pid>/statm` (the VmRSS of `status`, cheaper
+    to read); 0 for a zombie; None if the process vanished, is unreadable or the file is malformed."""
     try:
-        return int(rest[7]), int(rest[9])
-    except (IndexError, ValueError):
+        with open(f"{proc}/{pid}/statm", "rb") as f:
+            raw = f.read()
+    except OSError:
         return None
-
-
-class ProcFiles:
-    """Files of a procfs tree, opened once and re-read in place with `pread(fd, n, 0)`.
-
-    procfs generates a file's content anew on every read from offset 0, so a kept descriptor reads
-    fresh figures; it saves the path walk of `open()` and `close()`, ~40 % of the CPU time of reading a
-    small procfs file once a second (11 files: ~220 µs → ~140 µs, cold caches, bench/poll_cost.py's
-    setting). A `<pid>/…` descriptor stays bound to that process: once it exits, reads fail with ESRCH
-    instead of reading a newcomer that reuses the pid. Not thread-safe (one sampler owns it).
-    """
-
-    def __init__(self, proc: str = "/proc") -> None:
-        self.proc = proc
-        self._fds: dict[str, int] = {}
-        self._finalizer = weakref.finalize(self, _close_all, self._fds)
-
-    def read(self, name: str, *, to_eof: bool = False) -> bytes:
-        """The content of `<proc>/<name>`. One read returns a single-record seq_file whole (meminfo,
-        pressure/*, <pid>/stat, <pid>/statm: the kernel prints them in one `show()` call); pass
-        `to_eof=True` for multi-record ones such as vmstat, which come a page at a time.
-
-        Raises OSError if the file can't be opened or read; the descriptor is then closed, so the next
-        call opens the path afresh.
-        """
-        fd = self._fds.get(name)
-        if fd is None:
-            fd = self._fds[name] = os.open(f"{self.proc}/{name}", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            data = os.pread(fd, _READ_SIZE, 0)
-            if to_eof and data:
-                while more := os.pread(fd, _READ_SIZE, len(data)):
-                    data += more
-        except OSError:
-            self.forget(name)
-            raise
-        return data
-
-    def forget(self, name: str) -> None:
-        """Close `<proc>/<name>` if it is open."""
-        fd = self._fds.pop(name, None)
-        if fd is not None:
-            os.close(fd)
-
-    def keep_only(self, names: Iterable[str]) -> None:
-        """Close every open file not in `names` (e.g. those of processes no longer sampled)."""
-        keep = set(names)
-        for name in [n for n in self._fds if n not in keep]:
-            self.forget(name)
-
-    def close(self) -> None:
-        """Close every descriptor; the object stays usable (files reopen on the next read)."""
-        _close_all(self._fds)
-
-
-def _close_all(fds: dict[str, int]) -> None:
-    while fds:
-        os.close(fds.popitem()[1])
+    return parse_statm_rss_bytes(raw, page_size)
 
 
 def _all_stats(proc: str) -> list[ProcStat]:
