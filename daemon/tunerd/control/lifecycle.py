@@ -369,7 +369,12 @@ class Lifecycle:
         )
         self.failures = decision.failures
         if decision.action is Action.FATAL or decision.params is None:
-            self._enter_fatal(f"{failure.kind}: {decision.reason}; last error: {failure.detail}")
+            why = (
+                decision.reason
+                if decision.reason.startswith(str(failure.kind))
+                else (f"{failure.kind}: {decision.reason}")
+            )
+            self._enter_fatal(f"{why}; last error: {failure.detail}")
             return
         if self.engine.state is not EngineState.BACKOFF:
             self.engine.enter(EngineState.BACKOFF)
@@ -497,7 +502,8 @@ class Lifecycle:
             return f"engine FATAL: {self.fatal_reason}"
         if self.waiting_reason:
             return f"engine {state.name}: start delayed: {self.waiting_reason}"
-        return f"engine {state.name}" + (f" (pid {run.pid})" if run else "")
+        alive = run is not None and state in (*ACTIVE, EngineState.STOPPING)
+        return f"engine {state.name}" + (f" (pid {run.pid})" if alive and run else "")
 
 
 def _identity_job(run: EngineRun) -> EngineIdentity:
