@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from tunerd.procfs import processes as procfs
 
@@ -187,6 +188,56 @@ class Daemon:
         address = (self.state_dir / "export.addr").read_text().strip()
         return httpx.get(f"http://{address}/metrics", timeout=5, trust_env=False).text
 
+    def metric(self, name: str, **labels: str) -> float | None:
+        """The value of one sample of the daemon's /metrics (`name` as exposed, e.g. with `_total`), or
+        None when the daemon does not expose it."""
+        for family in text_string_to_metric_families(self.metrics_text()):
+            for sample in family.samples:
+                if sample.name == name and sample.labels == labels:
+                    return float(sample.value)
+        return None
+
+    def uptime(self) -> float | None:
+        """The daemon's own uptime, as its loop last published it (None while it cannot be read)."""
+        try:
+            return float(self.status()["daemon"]["uptime_s"])
+        except (OSError, httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None
+
+    def signals_snapshot(self) -> dict[str, Any] | None:
+        try:
+            return self.status()["signals"]
+        except (OSError, httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None
+
+    def observe(self, seconds: float, samples: int = 0, timeout: float = 120) -> None:
+        """Let the daemon watch for `seconds` of its own time and fold at least `samples` more polls.
+
+        For assertions that something does NOT happen (no restart, no spawn, no wedge verdict): the
+        window is measured by the daemon's published uptime, not by a sleep in the test, so a daemon
+        starved of CPU does not make the window pass unobserved; a new poll is seen as a change of the
+        signals document (host rates and memory move with every poll).
+        """
+        start = None
+        seen = 0
+        last = self.signals_snapshot()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            up = self.uptime()
+            if start is None:
+                start = up
+            snapshot = self.signals_snapshot()
+            if snapshot is not None and snapshot != last:
+                seen, last = seen + 1, snapshot
+            if start is not None and up is not None and up >= start + seconds and seen >= samples:
+                return
+            self._check_alive()
+            time.sleep(0.05)
+        raise AssertionError(
+            f"the daemon did not watch for {seconds} s of its time with {samples} polls in {timeout} s "
+            f"(saw {seen} polls); journal:\n{self.dump()}"
+        )
+
     def wait_state(self, state: str, timeout: float = 30) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         last: dict[str, Any] = {}
@@ -201,6 +252,25 @@ class Daemon:
             time.sleep(0.1)
         raise AssertionError(
             f"engine not {state} in {timeout} s; last status {last}; journal:\n{self.dump()}"
+        )
+
+    def wait_running(self, pid: int, timeout: float = 30) -> dict[str, Any]:
+        """The status once it shows engine `pid` RUNNING (the status document may lag the journal by a
+        fraction of a second: a plain wait_state right after an action can see the old engine)."""
+        deadline = time.monotonic() + timeout
+        last: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            try:
+                last = self.status()
+                engine = last.get("engine", {})
+                if engine.get("state") == "RUNNING" and engine.get("pid") == pid:
+                    return last
+            except (OSError, httpx.HTTPError, ValueError):
+                pass
+            self._check_alive()
+            time.sleep(0.1)
+        raise AssertionError(
+            f"engine {pid} not RUNNING in {timeout} s; last status {last}; journal:\n{self.dump()}"
         )
 
     def instance_id(self) -> str:
@@ -261,6 +331,53 @@ def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None
             return
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def holds_for(condition: Callable[[], bool], seconds: float, what: str) -> None:
+    """`condition` stays true, looked at every 0.05 s, for `seconds`: an observation window for a claim
+    that something does NOT happen (a process that must not exit, a port that must not answer), used
+    only once a condition wait has shown the moment it would otherwise have happened has come."""
+    deadline = time.monotonic() + seconds
+    while True:
+        if not condition():
+            raise AssertionError(f"{what}: stopped holding within {seconds} s")
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.05)
+
+
+def wait_record_with_pids_dead(
+    daemon: Daemon,
+    pids: list[int],
+    predicate: Callable[[Record], bool],
+    timeout: float = 30,
+    after_seq: int = 0,
+) -> Record:
+    """The first journal record after `after_seq` matching `predicate`; fails unless every process in
+    `pids` was already dead (zombies count as dead: `alive`) when the record was written.
+
+    Each round looks at the pids first and reads the journal second. A record first seen in round k was
+    written after round k-1's read; if round k-1's look found every pid dead, they died before the
+    record was written. A record present at the first read, or first seen in a round after a look that
+    found one alive, cannot be shown to come after the deaths: that fails too (callers leave a gap, such
+    as a backoff delay, between the deaths and the record in a correct daemon).
+    """
+    dead_before_last_read = False
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        living = [pid for pid in pids if alive(pid)]
+        for record in daemon.records():
+            if record["seq"] > after_seq and predicate(record):
+                if not dead_before_last_read:
+                    raise AssertionError(
+                        f"{record['event']} (seq {record['seq']}) was journaled before all of {pids} were "
+                        f"seen dead (alive at the last look: {living}); journal:\n{daemon.dump()}"
+                    )
+                return record
+        dead_before_last_read = not living
+        daemon._check_alive()
+        time.sleep(0.05)
+    raise AssertionError(f"no matching journal record in {timeout} s; journal:\n{daemon.dump()}")
 
 
 @contextmanager

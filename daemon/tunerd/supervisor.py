@@ -20,9 +20,11 @@ from typing import Any
 import structlog
 
 from tunerd import __version__
-from tunerd.config import Config, ConfigError, load_config
+from tunerd.config import Config, ConfigError, load_all
+from tunerd.config.rules import RuleSet
 from tunerd.control.capacity import CalibrationDone
 from tunerd.control.lifecycle import ACTIVE, Lifecycle
+from tunerd.control.tuner import Tuner
 from tunerd.core.machine import MemoryReading
 from tunerd.core.params import EngineParams
 from tunerd.core.states import EngineState
@@ -31,7 +33,7 @@ from tunerd.engine.oscalls import OsCalls
 from tunerd.faces.http import Exporter
 from tunerd.faces.logs import configure_logging
 from tunerd.faces.operator import Command, OperatorSocket
-from tunerd.faces.status import DaemonFacts, build_status
+from tunerd.faces.status import DaemonFacts, build_status, tuning_status
 from tunerd.faces.systemd import Notifier
 from tunerd.observe.health import HealthResult
 from tunerd.observe.identity import Capabilities, EngineIdentity, probe_capabilities
@@ -59,12 +61,14 @@ class DaemonSetupError(Exception):
 
 class Supervisor:
     TICK_S = 0.1  # while a child exists: how often its output is read and its exit reaped
+    STATUS_EVERY_S = 0.5  # how often the status document is rebuilt (not at every tick)
 
     def __init__(
         self,
         config: Config,
         config_path: str,
         *,
+        rules: RuleSet | None = None,
         oscalls: OsCalls | None = None,
         notifier: Notifier | None = None,
         monotonic: Callable[[], float] = time.monotonic,
@@ -72,6 +76,7 @@ class Supervisor:
     ) -> None:
         self.config = config
         self.config_path = config_path
+        self.rules = rules
         self.os = oscalls or OsCalls()
         self.notifier = notifier or Notifier()
         self.monotonic = monotonic
@@ -87,6 +92,8 @@ class Supervisor:
         self.exporter: Exporter | None = None
         self.operator: OperatorSocket | None = None
         self.lifecycle: Lifecycle | None = None
+        self.tuner: Tuner | None = None
+        self._published_at = float("-inf")
         self.reload_requested = False
         self.shutting_down = False
         self.exit_code: int | None = None
@@ -121,10 +128,21 @@ class Supervisor:
             store=self.store,
             dstate=dstate,
             metrics=self.metrics,
-            on_status_change=lambda: self.notifier.status(self._status_line()),
+            on_status_change=self._status_changed,
             background=self.jobs.run_once,
             submit=self.jobs.submit,
             monotonic=self.monotonic,
+            wallclock=self.wallclock,
+        )
+        self.tuner = Tuner(
+            self.config,
+            self.rules,
+            self.lifecycle,
+            recorder=self.recorder,
+            dstate=dstate,
+            save_state=self.lifecycle.save_state,
+            metrics=self.metrics,
+            submit=self.jobs.submit,
             wallclock=self.wallclock,
         )
         params, why = self.lifecycle.initial_params()
@@ -260,6 +278,8 @@ class Supervisor:
         lifecycle = self.lifecycle
         assert lifecycle is not None
         lifecycle.step(now)
+        assert self.tuner is not None
+        self.tuner.step(now)
         state = lifecycle.engine.state
         if self.reload_requested and state not in (EngineState.STARTING, EngineState.STOPPING):
             self.reload_requested = False  # a reload during a restart waits until it settles
@@ -268,7 +288,8 @@ class Supervisor:
             self.recorder.record("daemon.stopped")
             self.exit_code = EX_OK
         self._publish_targets()
-        if self.exporter is not None:
+        if self.exporter is not None and now - self._published_at >= self.STATUS_EVERY_S:
+            self._published_at = now
             self.exporter.publish(self._status(now))
 
     def _on_poll(self, sample: PollSample, now: float) -> None:
@@ -289,6 +310,8 @@ class Supervisor:
             return
         self.metrics.set_signals(self.signals, SIGNAL_UNITS)
         lifecycle.on_poll(sample, now)
+        assert self.tuner is not None
+        self.tuner.on_poll(sample, self.signals, now)
 
     def _publish_targets(self) -> None:
         """Tell the observation jobs what to look at (immutable values, swapped whole)."""
@@ -296,7 +319,7 @@ class Supervisor:
         assert lifecycle is not None
         run, state = lifecycle.engine.run, lifecycle.engine.state
         active = run is not None and state in ACTIVE
-        self.jobs.memory.active = active
+        self.jobs.memory.active = run is not None and state in (*ACTIVE, EngineState.STOPPING)
         if not active or run is None:
             self.jobs.health.target = None
             self.jobs.poller.target = None
@@ -315,12 +338,17 @@ class Supervisor:
         assert lifecycle is not None
         if self.shutting_down:
             return
-        if command.name == "resume":
+        assert self.tuner is not None
+        if command.name == "pause":
+            self.tuner.pause()
+        elif command.name == "resume":
+            # Resumes what is stopped: paused tuning, and an engine in FATAL (`tunerd resume` says which).
+            self.tuner.resume()
             lifecycle.resume("operator resume")
         elif command.name == "restart":
             params = lifecycle.params.replace(**command.params)
             reason = command.reason or "operator restart"
-            lifecycle.restart(params, reason, action="trial" if params != lifecycle.params else "restart")
+            lifecycle.restart(params, reason, action="change" if params != lifecycle.params else "restart")
 
     def _reload(self) -> None:
         """SIGHUP: load the config again; a bad one is rejected and the old one stays."""
@@ -328,15 +356,18 @@ class Supervisor:
         assert lifecycle is not None
         self.notifier.reloading()
         try:
-            new = load_config(self.config_path)
+            loaded = load_all(self.config_path)
         except ConfigError as exc:
             self.metrics.reload_ok.set(0)
             self.recorder.record("config.reload_failed", problems=exc.problems)
             log.error("config.reload_failed", problems=exc.problems)
             self.notifier.reloaded(self._status_line())
             return
-        old, self.config = self.config, new
+        new = loaded.config
+        old, self.config, self.rules = self.config, new, loaded.rules
         lifecycle.config = new
+        assert self.tuner is not None
+        self.tuner.reload(new, loaded.rules)
         self.metrics.reload_ok.set(1)
         self.metrics.reload_time.set_to_current_time()
         self.jobs.health.timeouts = new.timeouts
@@ -346,7 +377,11 @@ class Supervisor:
                 "config.restart_needed", detail="[paths], [export], [observe] apply at daemon restart"
             )
         self._probe_capabilities_if_needed()  # a new engine command is asked what it offers
-        self.recorder.record("config.reloaded", engine_changed=new.engine != old.engine)
+        self.recorder.record(
+            "config.reloaded",
+            engine_changed=new.engine != old.engine,
+            rules=[rule.name for rule in loaded.rules.rules] if loaded.rules else [],
+        )
         log.info("config.reloaded", engine_changed=new.engine != old.engine)
         if lifecycle.engine.state is EngineState.FATAL:
             lifecycle.resume("config reload", new.engine.params)
@@ -372,7 +407,8 @@ class Supervisor:
             journal=str(self.config.paths.journal_path),
             journal_error=self.recorder.error,
         )
-        return build_status(
+        assert self.tuner is not None
+        document = build_status(
             daemon,
             self.lifecycle,
             self.params_in_force(),
@@ -381,6 +417,13 @@ class Supervisor:
             self.recorder.last_record,
             now,
         )
+        document["tuning"] = tuning_status(self.tuner, now)
+        return document
+
+    def _status_changed(self) -> None:
+        """The engine's state or wait reason changed: systemd hears it, and /status is rebuilt at once."""
+        self.notifier.status(self._status_line())
+        self._published_at = float("-inf")
 
     def _status_line(self) -> str:
         return self.lifecycle.status_line() if self.lifecycle else "engine STOPPED"

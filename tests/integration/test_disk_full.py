@@ -6,13 +6,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.harness import running_daemon, wait_until
+from tests.harness import Daemon, running_daemon, wait_until
 from tests.integration.conftest import fake_sections
 from tests.integration.test_safe_restarts import restart
 
@@ -48,6 +47,11 @@ def fill(directory: Path) -> Path:
     return filler
 
 
+def refused_changes(daemon: Daemon) -> int:
+    """How many times the daemon logged that it refused a change it could not make durable."""
+    return daemon.stderr_path.read_text().count('"change.refused"')
+
+
 def test_full_disk_freezes_changes_but_not_supervision(workdir: Path, small_filesystem: Path) -> None:
     sections = fake_sections(workdir, paths={"journal": str(small_filesystem / "journal.jsonl")})
     with running_daemon(workdir, sections) as daemon:
@@ -58,16 +62,28 @@ def test_full_disk_freezes_changes_but_not_supervision(workdir: Path, small_file
         for _ in range(100):  # records still fit in the journal's last page: use it up with reloads
             if daemon.status()["daemon"]["journal_error"] is not None:
                 break
+            reloads = daemon.events().count("config.reloaded")
             daemon.signal(signal.SIGHUP)
-            time.sleep(0.1)
+            wait_until(
+                lambda reloads=reloads: (
+                    daemon.status()["daemon"]["journal_error"] is not None
+                    or daemon.events().count("config.reloaded") > reloads
+                ),
+                30,
+                "the reload to be journaled, or its record to fail",
+            )
         assert daemon.status()["daemon"]["journal_error"] is not None
 
+        errors = daemon.metric("tunerd_journal_write_errors_total")
+        refusals = refused_changes(daemon)
         restart(daemon, max_num_seqs=4)  # a change: needs a durable intent, which cannot be written
-        time.sleep(1.5)
+        wait_until(lambda: refused_changes(daemon) > refusals, 30, "the daemon to refuse the change")
         engine = daemon.status()["engine"]
         assert (engine["state"], engine["pid"]) == ("RUNNING", pid), "no change without a durable intent"
         assert "max_num_seqs" not in engine["params"]
-        assert "tunerd_journal_write_errors_total" in daemon.metrics_text()
+        assert errors is not None and daemon.metric("tunerd_journal_write_errors_total") > errors, (
+            "the intent that could not be written is counted"
+        )
 
         os.kill(pid, signal.SIGKILL)  # a crash: supervision goes on with the parameters in force
         wait_until(

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,10 @@ from tests.integration.conftest import fake_sections
 
 
 def control(path: Path, **values: Any) -> None:
-    path.write_text(json.dumps(values))
+    """Set the fake vLLM's control file atomically (it may read it at any moment)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(values))
+    tmp.replace(path)
 
 
 def signal_value(daemon: Daemon, name: str) -> float | None:
@@ -51,6 +53,7 @@ def test_signals_and_tunerd_metrics_follow_vllm(workdir: Path) -> None:
         assert samples[("tunerd_engine_scrape_up", ())] == 1
         assert samples[("tunerd_param", (("name", "max_model_len"),))] == 512
         assert samples[("tunerd_signal_kv_cache_usage_ratio", ())] == 0.5
+        assert samples[("tunerd_signal_kv_cache_usage_max_ratio", ())] == 0.5, "0.5 in every poll so far"
         assert samples[("tunerd_config_last_reload_successful", ())] == 1
         assert samples[("tunerd_engine_kv_cache_tokens", ())] == 1952
 
@@ -71,6 +74,14 @@ def test_signals_and_tunerd_metrics_follow_vllm(workdir: Path) -> None:
         )
         assert json.loads(as_json.stdout)["engine"]["state"] == "RUNNING"
 
+        control(ctl, running=3, kv_cache_usage=0.95, tokens_per_s=200)  # a peak, then back down
+        wait_until(lambda: signal_value(daemon, "kv_cache.usage") == 0.95, 10, "the peak to be polled")
+        control(ctl, running=3, kv_cache_usage=0.3, tokens_per_s=200)
+        wait_until(lambda: signal_value(daemon, "kv_cache.usage") == 0.3, 10, "the drop to be polled")
+        samples = metric_samples(daemon.metrics_text())
+        assert samples[("tunerd_signal_kv_cache_usage_ratio", ())] == 0.3
+        assert samples[("tunerd_signal_kv_cache_usage_max_ratio", ())] == 0.95, "the window's peak"
+
 
 def test_garbage_or_slow_metrics_are_missing_samples_and_never_restart_vllm(workdir: Path) -> None:
     ctl = workdir / "control.json"
@@ -87,7 +98,7 @@ def test_garbage_or_slow_metrics_are_missing_samples_and_never_restart_vllm(work
             samples = metric_samples(daemon.metrics_text())
             assert samples[("tunerd_engine_scrape_up", ())] == 0
             assert signal_value(daemon, "kv_cache.usage") is None, "a failed scrape is not a zero"
-        time.sleep(1.0)
+        daemon.observe(1.0, samples=3)  # more failed scrapes, each one a chance to (wrongly) restart
         status = daemon.status()["engine"]
         assert (status["state"], status["pid"]) == ("RUNNING", pid), "scrape failures alone never restart"
     assert "engine.failed" not in daemon.events()

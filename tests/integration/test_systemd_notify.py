@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import signal
 import socket
-import time
 from pathlib import Path
 
 from tests.harness import running_daemon, wait_until
@@ -35,11 +34,17 @@ def test_notify_protocol_and_a_child_environment_without_systemd_variables(workd
     env = {"NOTIFY_SOCKET": address, "WATCHDOG_USEC": "400000"}  # ping every 0.2 s
     with running_daemon(workdir, fake_sections(workdir), env=env) as daemon:
         daemon.wait_state("RUNNING")
-        time.sleep(0.6)
-        drain()
+        wait_until(
+            lambda: drain() or sum(m == "WATCHDOG=1" for m in messages) >= 2,
+            20,
+            "two watchdog pings",
+        )
+        wait_until(
+            lambda: drain() or any("STATUS=engine RUNNING" in m for m in messages),
+            20,
+            "STATUS=engine RUNNING",
+        )
         assert any(m.startswith("READY=1") for m in messages)
-        assert any("STATUS=engine RUNNING" in m for m in messages)
-        assert sum(m == "WATCHDOG=1" for m in messages) >= 2
         for pid in daemon.marked_pids():
             child_env = read_environ(pid)
             assert "NOTIFY_SOCKET" not in child_env and "WATCHDOG_USEC" not in child_env

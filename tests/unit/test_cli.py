@@ -14,7 +14,23 @@ SHIPPED = Path(__file__).resolve().parents[2] / "etc" / "tunerd" / "tunerd.toml"
 
 def test_check_config_of_the_shipped_file_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check-config", str(SHIPPED)]) == 0
-    assert capsys.readouterr().out.strip() == f"{SHIPPED}: ok"
+    rules = SHIPPED.parent / "rules.toml"  # the playbook beside it is checked too
+    assert capsys.readouterr().out.strip().splitlines() == [f"{SHIPPED}: ok", f"{rules}: ok (6 rules)"]
+
+
+def test_check_config_names_the_rule_and_key_of_a_bad_rules_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "tunerd.toml"
+    config.write_text('[engine]\nmodel = "/m"\n')
+    (tmp_path / "rules.toml").write_text(
+        '[[rule]]\nname = "kv"\nall = ["nope.signal > 1", "kv_cache.usage > high"]\n'
+        'action = { kind = "step", param = "max_num_seqs", direction = "down", factor = 0.5 }\n'
+    )
+    assert main(["check-config", str(config)]) == 1
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'rules.toml'}: rule kv: all: unknown signal 'nope.signal'" in err
+    assert main(["run", "--config", str(config)]) == 78  # and `tunerd run` refuses to start
 
 
 def test_check_config_with_a_misspelled_key_exits_1_naming_it(

@@ -7,6 +7,7 @@ import pytest
 from tunerd.config import BackoffConfig
 from tunerd.core.failures import EngineFailure, FailureKind
 from tunerd.core.params import EngineParams
+from tunerd.policy.corrections import correction
 from tunerd.policy.restart import (
     Action,
     backoff_delay,
@@ -103,13 +104,16 @@ def decide(
     known_good: EngineParams | None = GOOD,
     ran_for_s: float | None = 5.0,
 ):
+    """The decision as the lifecycle asks for it: with the correction the failure calls for."""
+    failure = failure if failure is not None else crash()
     return decide_after_failure(
         POLICY,
         failures_before=failures_before,
         ran_for_s=ran_for_s,
-        failure=failure if failure is not None else crash(),
+        failure=failure,
         params=params,
         known_good=known_good,
+        correction=correction(failure, params, None, "cpu"),
     )
 
 

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any, TextIO
 
+from tunerd.cli.story import STORIES
 from tunerd.records.journal import Record, parse_time
 
 _RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhd])$")
@@ -36,6 +37,9 @@ def format_record(record: Record) -> str:
     """One readable line: time, seq, event, then the other fields as key=value."""
     when = record.get("time", "?").replace("T", " ")
     head = f"{when}  #{record.get('seq', '?'):<5} {record.get('event', '?'):<22}"
+    story = STORIES.get(str(record.get("event")))
+    if story is not None:
+        return head + " " + story(record)
     rest = [f"{key}={_format_value(value)}" for key, value in record.items() if key not in _HEAD]
     return head + " " + "  ".join(rest)
 

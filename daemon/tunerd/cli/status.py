@@ -29,6 +29,23 @@ def render_status(doc: dict[str, Any]) -> str:
     for name, value in sorted((engine.get("params") or {}).items()):
         mark = "" if known_good.get(name) == value else "  (not yet known-good)"
         lines.append(f"  {name:<26} {value}{mark}")
+    tuning = doc.get("tuning")
+    if isinstance(tuning, dict):
+        mode = tuning.get("mode", "?") + ("  PAUSED (tunerd resume)" if tuning.get("paused") else "")
+        budget = tuning.get("budget") or {}
+        lines.append(
+            f"tuning: {mode}; restart budget left {budget.get('hour_left', '?')} this hour, "
+            f"{budget.get('day_left', '?')} today; rules: {len(tuning.get('rules') or [])} (tunerd rules)"
+        )
+        trial = tuning.get("trial")
+        if trial:
+            lines.append(
+                f"  trial #{trial['trial']} ({trial['rule']}): {trial['param']} {trial['old']} → "
+                f"{trial['new']}, {trial['phase']} for {trial['phase_s']} s"
+            )
+        if tuning.get("baseline"):
+            figures = ", ".join(f"{k} {v:.4g}" for k, v in sorted(tuning["baseline"].items()))
+            lines.append(f"  baseline: {figures}")
     if daemon.get("journal_error"):
         lines.append(f"journal: NOT WRITABLE: {daemon['journal_error']} (tuning frozen)")
     last = doc.get("last_journal")

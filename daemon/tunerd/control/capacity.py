@@ -39,6 +39,7 @@ class PlanOutcome:
     figures: dict[str, Any]
     predicted_kv_tokens: int | None = None
     machine: MachineFacts | None = None  # what the plan was made against
+    estimated_max_model_len: int | None = None  # vLLM's own estimate, when it would refuse max_model_len
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,13 @@ class Capacity:
                 if plan.ratio is not None
                 else plan.band
             )
-        return PlanOutcome(refusal, figures, plan.kv_cache_tokens, machine)
+        return PlanOutcome(
+            refusal,
+            figures,
+            plan.kv_cache_tokens,
+            machine,
+            plan.vllm_estimated_max_model_len if refusal else None,
+        )
 
     def calibrate(
         self, run_id: int, report: StartReport, params: EngineParams, machine: MachineFacts | None

@@ -3,7 +3,12 @@ back, give up (FATAL) — with the guards that run all the time (host memory, fo
 upgrade guard.
 
 Owned by the supervisor's loop thread; no threads, no sleeps, no blocking I/O beyond the journal and
-the state file. Decisions come from `policy/` (pure); process work from `engine/`; the start from `starting`.
+the state file. Decisions come from `policy/` (pure); process work from `engine/`; the start from
+`starting`; a tuning trial's side from `trial_host`; what the state file remembers of the engine from
+`engine_facts`.
+
+Over 400 lines on purpose: this is the one state machine of the engine's life, and its transitions (a
+failure → stop with the right grace → back off, correct, roll back or FATAL) read best in one place.
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ import structlog
 
 from tunerd.config import Config
 from tunerd.control.capacity import CalibrationDone, Capacity
+from tunerd.control.engine_facts import EngineFacts, identity_job
 from tunerd.control.preflight import Submit, run_here
 from tunerd.control.run_guards import RunGuards
 from tunerd.control.starting import PendingStart, Refused, Starter, Waiting
+from tunerd.control.trial_host import TrialHost
 from tunerd.core.failures import EngineFailure, FailureKind
 from tunerd.core.machine import MemoryReading
 from tunerd.core.params import EngineParams
@@ -28,8 +35,9 @@ from tunerd.engine.logwatch import KvCacheSize
 from tunerd.engine.oscalls import OsCalls
 from tunerd.engine.process import Engine, EngineRun, Exited, TreeGone, failure_from_exit
 from tunerd.observe.health import HealthResult
-from tunerd.observe.identity import Capabilities, EngineIdentity, identity_changes, probe_identity
+from tunerd.observe.identity import Capabilities, EngineIdentity
 from tunerd.observe.poller import PollSample
+from tunerd.policy.corrections import correction
 from tunerd.policy.restart import Action, decide_after_failure
 from tunerd.records.metrics import Metrics
 from tunerd.records.recorder import Recorder
@@ -44,7 +52,7 @@ CALIBRATES = (FailureKind.KV_CACHE_TOO_SMALL, FailureKind.NO_KV_MEMORY, FailureK
 NOT_SERVING = (FailureKind.ENGINE_DEAD, FailureKind.ENGINE_INIT_FAILED, FailureKind.EXITED)
 
 
-class Lifecycle:
+class Lifecycle(TrialHost):
     def __init__(
         self,
         config: Config,
@@ -77,7 +85,9 @@ class Lifecycle:
             on_transition=self._on_transition,
         )
         self.params = config.engine.params
-        self.known_good = EngineParams(**dstate.last_known_good) if dstate.last_known_good else None
+        self.known_good = (
+            EngineParams(**dstate.last_known_good) if dstate.last_known_good is not None else None
+        )
         self.failures = 0
         self.pending: PendingStart | None = None
         self.open_intent: int | None = None
@@ -86,6 +96,7 @@ class Lifecycle:
         self.notes: dict[str, str] = {}  # things an operator should know (upgrade, page cache …)
         self.restarts: Counter[str] = Counter()
         self.guards = RunGuards(recorder)
+        self.facts = EngineFacts(recorder, dstate, self.save_state, self.notes)
         self.shutting_down = False
         self.starter = Starter(
             config,
@@ -93,7 +104,7 @@ class Lifecycle:
             engine=self.engine,
             recorder=recorder,
             dstate=dstate,
-            save_state=self._save_state,
+            save_state=self.save_state,
             capacity=self.capacity,
             gpu=lambda: self.guards.gpu,
             wallclock=wallclock,
@@ -229,8 +240,9 @@ class Lifecycle:
                 params=run.params,
             )
             self._close_intent("ok", seconds=seconds, kv_cache_tokens=kv)
-            self.background(lambda: _identity_job(run))
+            self.background(lambda: identity_job(run))
             self._learn_from(run)
+            self._trial_run_ready(run, now)
         elif self.engine.state is EngineState.RUNNING:
             run.health_failures = 0 if result.ok else run.health_failures + 1
             if run.health_failures >= self.config.timeouts.health_failures:
@@ -238,11 +250,18 @@ class Lifecycle:
                 self._on_failure(EngineFailure(FailureKind.HEALTH_FAILED, detail), now)
 
     def on_memory(self, reading: MemoryReading, now: float) -> None:
-        """The host-wedge guard: stop vLLM before the host stalls on memory."""
-        if self.engine.state in ACTIVE:
-            failure = self.guards.check_memory(reading, self.config.guard, self.params)
-            if failure is not None:
-                self._on_failure(failure, now)
+        """The host-wedge guard: stop vLLM before the host stalls on memory (also while a graceful stop
+        runs: an emergency shortens it, once)."""
+        state, run = self.engine.state, self.engine.run
+        if state is EngineState.STOPPING:
+            emergency = self.config.guard.emergency_grace_s
+            if run is None or run.stop is None or run.stop.grace_s <= emergency:
+                return
+        elif state not in ACTIVE:
+            return
+        failure = self.guards.check_memory(reading, self.config.guard, self.params)
+        if failure is not None:
+            self._on_failure(failure, now)
 
     def on_poll(self, sample: PollSample, now: float) -> None:
         """Remember the GPU facts for the next preflight; watch forward progress of the current run."""
@@ -254,23 +273,13 @@ class Lifecycle:
                 self._on_failure(failure, now)
 
     def on_identity(self, identity: EngineIdentity) -> None:
-        """The upgrade guard: journal versions and model identity; flag last-known-good as unverified
-        after a change, until a start with it succeeds."""
-        run = self.engine.run
-        facts = dict(identity.facts)
-        changes = identity_changes(self.dstate.identity, facts)
-        self.rec.record("engine.identity", **facts)
-        if changes:
-            self.rec.record("engine.upgraded", changes=changes)
-            log.warning("engine.upgraded", changes=changes)
-            self.notes["upgrade"] = "vLLM, driver or model changed: " + ", ".join(sorted(changes))
-            if run is None or run.params != self.known_good:
-                self.dstate.known_good_verified = False
-        if run is not None and run.run_id == identity.run_id and run.params == self.known_good:
-            self.dstate.known_good_verified = True
-            self.notes.pop("upgrade", None)
-        self.dstate.identity = facts
-        self._save_state()
+        self.facts.on_identity(identity, self.engine.run, self.known_good)
+
+    def on_capabilities(self, caps: Capabilities) -> None:
+        self.facts.on_capabilities(caps)
+
+    def needs_capabilities(self) -> bool:
+        return self.facts.needs_capabilities(list(self.config.engine.command))
 
     def _learn_from(self, run: EngineRun) -> None:
         """Calibrate the planner from what vLLM reported at this start (in a worker job)."""
@@ -280,15 +289,6 @@ class Lifecycle:
 
     def on_calibration(self, done: CalibrationDone) -> None:
         self.rec.record("planner.calibrated", run=done.run_id, **done.figures)
-
-    def on_capabilities(self, caps: Capabilities) -> None:
-        self.dstate.capabilities = {"command": list(caps.command), "shutdown_timeout": caps.shutdown_timeout}
-        self._save_state()
-        self.rec.record("engine.capabilities", shutdown_timeout=caps.shutdown_timeout, error=caps.error)
-
-    def needs_capabilities(self) -> bool:
-        caps = self.dstate.capabilities or {}
-        return caps.get("command") != list(self.config.engine.command)
 
     # -- failures --------------------------------------------------------------------------------
 
@@ -343,7 +343,7 @@ class Lifecycle:
         ran_for = run.uptime(now) if run.ready_mono is not None else None
         engine.settle(EngineState.STOPPED if failure is None else EngineState.BACKOFF)
         self.dstate.engine = None
-        self._save_state()
+        self.save_state()
         if failure is None:
             self._close_intent("aborted", reason=run.stop_reason)
             return
@@ -352,13 +352,19 @@ class Lifecycle:
         if failure.kind in CALIBRATES:
             self._learn_from(run)  # vLLM's refusal says how much memory it found: calibrate from it too
         if not self.shutting_down:
-            self._decide_after_failure(failure, ran_for_s=ran_for, now=now)
+            self._decide_after_failure(failure, ran_for_s=ran_for, now=now, run=run)
 
     def _count_failure(self, failure: EngineFailure) -> None:
         self.restarts[str(failure.kind)] += 1
         self.metrics.restarts.labels(reason=str(failure.kind)).inc()
 
-    def _decide_after_failure(self, failure: EngineFailure, ran_for_s: float | None, now: float) -> None:
+    def _decide_after_failure(
+        self, failure: EngineFailure, ran_for_s: float | None, now: float, run: EngineRun | None = None
+    ) -> None:
+        if self._trial_failed(failure):
+            return
+        report = run.report.report() if run is not None else None
+        backend = run.machine.backend if run is not None and run.machine is not None else "cuda"
         decision = decide_after_failure(
             self.config.backoff,
             failures_before=self.failures,
@@ -366,6 +372,7 @@ class Lifecycle:
             failure=failure,
             params=self.params,
             known_good=self.known_good,
+            correction=correction(failure, self.params, report, backend),
         )
         self.failures = decision.failures
         if decision.action is Action.FATAL or decision.params is None:
@@ -376,6 +383,8 @@ class Lifecycle:
             )
             self._enter_fatal(f"{why}; last error: {failure.detail}")
             return
+        if decision.drop_flags:
+            self.facts.drop_flags(list(self.config.engine.command), decision.drop_flags)
         if self.engine.state is not EngineState.BACKOFF:
             self.engine.enter(EngineState.BACKOFF)
         self.rec.record(
@@ -385,9 +394,15 @@ class Lifecycle:
             failures=decision.failures,
             reason=decision.reason,
         )
-        self.schedule_start(
+        if not self.schedule_start(
             decision.params, str(decision.action), decision.reason, decision.delay_s, after=str(failure.kind)
-        )
+        ):
+            # The change could not be made durable (journal unwritable): no change without an intent,
+            # but the engine is not left down either — the parameters in force are tried again.
+            delay = max(decision.delay_s, self.config.backoff.initial_s)
+            self.schedule_start(
+                self.params, "retry", "the change could not be journaled: retrying unchanged", delay
+            )
 
     def _enter_fatal(self, reason: str) -> None:
         self.fatal_reason = reason
@@ -399,27 +414,36 @@ class Lifecycle:
         )
 
     def _maybe_mark_known_good(self, run: EngineRun, now: float) -> None:
-        """Parameters that have served for `known_good_after_s` become last-known-good."""
-        if run.uptime(now) < self.config.backoff.known_good_after_s:
+        """Parameters that have served for `known_good_after_s` become last-known-good — never while a
+        trial runs: only the trial's decision promotes its parameters (`end_trial`)."""
+        if self.trial is not None or run.uptime(now) < self.config.backoff.known_good_after_s:
             return
         if self.known_good == run.params and self.failures == 0:
             return
         self.failures = 0
         if self.known_good == run.params:
             return
-        self.known_good = run.params
-        self.dstate.last_known_good = run.params.as_dict()
+        self._promote(run.params, f"served {self.config.backoff.known_good_after_s:g} s")
+
+    def _promote(self, params: EngineParams, why: str) -> None:
+        self.known_good = params
+        self.dstate.last_known_good = params.as_dict()
         self.dstate.base_params = self.config.engine.params.as_dict()
         self.dstate.known_good_verified = True
-        self._save_state()
-        self.rec.record("known_good.updated", params=run.params)
+        self.save_state()
+        self.rec.record("known_good.updated", params=params, why=why)
 
     # -- operator actions --------------------------------------------------------------------------
 
     def restart(self, params: EngineParams, reason: str, action: str = "restart") -> bool:
-        """A planned restart (reload, tuning trial): intent first, then stop, then start with `params`."""
+        """A planned restart (operator, reload): intent first, then stop, then start with `params`.
+        A trial in progress is superseded: it ends, journaled as aborted with the reason."""
+        self._abort_trial(f"superseded by {action}: {reason}")
+        return self._planned_restart(params, action, reason)
+
+    def _planned_restart(self, params: EngineParams, action: str, reason: str, **fields: Any) -> bool:
         self.failures = 0
-        if not self.schedule_start(params, action, reason, delay=0.0):
+        if not self.schedule_start(params, action, reason, delay=0.0, **fields):
             return False
         if self.engine.run is not None:
             self.engine.begin_stop(self.monotonic(), action, self._stop_grace())
@@ -432,6 +456,7 @@ class Lifecycle:
         """Leave FATAL (operator action): forget the failure count and the memory baseline."""
         if self.engine.state is not EngineState.FATAL:
             return False
+        self._abort_trial(f"superseded: {reason}")
         self.fatal_reason = None
         self.failures = 0
         self.dstate.baseline = None  # the operator acted: measure free memory afresh
@@ -465,8 +490,10 @@ class Lifecycle:
 
     def kill_now(self) -> None:
         """SIGKILL the engine's tree at once (when even `stop_now` failed)."""
-        if self.engine.run is not None:
+        run = self.engine.run
+        if run is not None:
             self.engine.kill_tree()
+            self.rec.record("engine.killed", pid=run.pid, reason="the stop after a daemon crash failed")
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -475,7 +502,7 @@ class Lifecycle:
             self.rec.outcome(self.open_intent, result, **fields)
             self.open_intent = None
 
-    def _save_state(self) -> None:
+    def save_state(self) -> None:
         try:
             self.store.save(self.dstate)
         except OSError as exc:
@@ -504,8 +531,3 @@ class Lifecycle:
             return f"engine {state.name}: start delayed: {self.waiting_reason}"
         alive = run is not None and state in (*ACTIVE, EngineState.STOPPING)
         return f"engine {state.name}" + (f" (pid {run.pid})" if alive and run else "")
-
-
-def _identity_job(run: EngineRun) -> EngineIdentity:
-    model = run.argv[run.argv.index("--model") + 1] if "--model" in run.argv else ""
-    return probe_identity(run.run_id, run.base_url, model)

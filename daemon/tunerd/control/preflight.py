@@ -139,8 +139,20 @@ def _looks_like_vllm_server(pid: int, proc: str) -> bool:
     return b"vllm" in text and (b"serve" in argv or b"vllm.entrypoints.openai.api_server" in text)
 
 
+FULL_DROP_NEEDS = (
+    "the kernel lets only uid 0 write /proc/sys/vm/drop_caches (no capability is enough) and the unit "
+    "runs as user tunerd: run the service as root (a drop-in, see README 'Install as a service') or use "
+    'drop_page_cache = "fadvise", which drops the model\'s own cache without privilege'
+)
+
+
 def drop_page_cache() -> str | None:
-    """sync + drop clean page cache (needs CAP_SYS_ADMIN). None on success, else why not."""
+    """sync + drop the clean page cache of the whole host (`echo 1 > /proc/sys/vm/drop_caches`).
+
+    None on success, else why not. /proc/sys checks the writer's uid against the file's mode (0200,
+    root), not capabilities: as the unit's user (or in a container, where /proc/sys is read-only) it is
+    refused.
+    """
     os.sync()
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:
@@ -148,6 +160,42 @@ def drop_page_cache() -> str | None:
     except OSError as exc:
         return exc.strerror or str(exc)
     return None
+
+
+def fadvise_model_files(model: str, max_errors: int = 5) -> dict[str, Any]:
+    """posix_fadvise(POSIX_FADV_DONTNEED) on every regular file under the model directory: the kernel
+    drops their clean cached pages. Needs no privilege, only read access to the files (symlinks, as in a
+    Hugging Face snapshot, are followed to their blobs). Dirty pages stay (the kernel writes them first).
+
+    Returns {"files", "file_bytes", "errors"}; "errors" names what could not be advised.
+    """
+    from stat import S_ISREG
+
+    files = file_bytes = 0
+    errors: list[str] = []
+    if not os.path.isdir(model):
+        return {"files": 0, "file_bytes": 0, "errors": [f"{model}: not a local directory"]}
+    for top, _dirs, names in os.walk(model):
+        for name in names:
+            path = os.path.join(top, name)
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as exc:
+                if len(errors) < max_errors:
+                    errors.append(f"{path}: {exc.strerror or exc}")
+                continue
+            try:
+                st = os.fstat(fd)
+                if S_ISREG(st.st_mode):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    files += 1
+                    file_bytes += st.st_size
+            except OSError as exc:
+                if len(errors) < max_errors:
+                    errors.append(f"{path}: {exc.strerror or exc}")
+            finally:
+                os.close(fd)
+    return {"files": files, "file_bytes": file_bytes, "errors": errors}
 
 
 class Preflight:
@@ -190,8 +238,8 @@ class Preflight:
         """One look at the checks (every loop tick while the start is pending); never blocks: scans
         of every process, the port's holder and the planner (NVML, model headers) run as jobs."""
         records: list[dict[str, Any]] = []
-        self._foreign_engines(records)
         for name, check in (
+            ("foreign", self._foreign_engines),
             ("leftovers", self._leftovers),
             ("port", self._port),
             ("memory", self._memory),
@@ -222,14 +270,14 @@ class Preflight:
             records.append({"event": "preflight.waiting", "check": key, "reason": reason, **fields})
         return PreflightStep(False, reason, records=[])
 
-    def _foreign_engines(self, records: list[dict[str, Any]]) -> None:
-        """Report (never touch) a vLLM this tunerd did not start, once per start, when the scan is back."""
+    def _foreign_engines(self, now: float, records: list[dict[str, Any]]) -> PreflightStep | None:
+        """Report (never touch) a vLLM this tunerd did not start, once per start. The scan runs as a
+        job; the start waits for it (tens of milliseconds), so that no start goes without its report."""
         if self._foreign is None:
             marker, proc = self.marker, self.os.proc
             self._foreign = self.submit(lambda: foreign_engines(marker, proc))
-        if "foreign" in self._reported or not self._foreign.done():
-            return
-        self._reported.add("foreign")
+        if not self._foreign.done():
+            return PreflightStep(False, "looking for vLLM processes this tunerd did not start")
         if others := _result(self._foreign, []):
             records.append(
                 {
@@ -238,6 +286,7 @@ class Preflight:
                     "note": "not started by this tunerd: left alone",
                 }
             )
+        return None
 
     def _leftovers(self, now: float, records: list[dict[str, Any]]) -> PreflightStep | None:
         result = self.reaper.step(now, self.config.timeouts.graceful_stop_s)
@@ -283,37 +332,68 @@ class Preflight:
         return None if back else self._wait("memory", f"memory not returned yet: {why}", records)
 
     def _page_cache(self, now: float, records: list[dict[str, Any]]) -> PreflightStep | None:
+        """On unified memory a large page cache counts as used: `preflight.drop_page_cache` says what to
+        do. advise: a journal line; fadvise: drop the model files' own cache (no privilege); drop: sync
+        and drop the whole cache (uid 0 only), else say why not and drop the model's own."""
         gpu = self.gpu()
-        if gpu is None or not gpu.unified_memory:
+        mode = self.config.preflight.drop_page_cache
+        if gpu is None or not gpu.unified_memory or mode == "off":
             return None
+        proc = self.config.observe.memory_proc
         try:
-            info = read_meminfo(self.config.observe.memory_proc)
+            info = read_meminfo(proc)
         except OSError:
             return None
         cache = page_cache_bytes(info)
         total = info.get("MemTotal") or 0
         if not total or cache is None or cache < total * self.config.preflight.page_cache_advice_ratio:
             return None
-        if self.config.preflight.drop_page_cache:
-            failed = drop_page_cache()
-            records.append(
-                {
-                    "event": "preflight.page_cache_dropped"
-                    if failed is None
-                    else "preflight.page_cache_kept",
-                    "page_cache_bytes": cache,
-                    "error": failed,
-                }
-            )
-        else:
+        if mode == "advise":
             records.append(
                 {
                     "event": "preflight.page_cache_advice",
                     "page_cache_bytes": cache,
                     "advice": f"{cache / GiB:.1f} GiB of page cache counts as used on unified memory: "
-                    "sync; echo 3 > /proc/sys/vm/drop_caches, or set preflight.drop_page_cache",
+                    'set preflight.drop_page_cache = "fadvise" (the model\'s own cache, no privilege) or '
+                    '"drop" (all of it, uid 0 only), or run: sync; echo 1 > /proc/sys/vm/drop_caches',
                 }
             )
+            return None
+        if mode == "drop":
+            failed = drop_page_cache()
+            if failed is None:
+                records.append(
+                    {"event": "preflight.page_cache_dropped", "page_cache_bytes": cache, "error": None}
+                )
+                return None
+            import structlog
+
+            reason = f"full drop refused ({failed}): {FULL_DROP_NEEDS}"
+            records.append(
+                {
+                    "event": "preflight.page_cache_kept",
+                    "page_cache_bytes": cache,
+                    "error": failed,
+                    "uid": os.geteuid(),
+                    "reason": reason,
+                }
+            )
+            structlog.get_logger("tunerd").warning("preflight.page_cache_kept", error=failed, reason=reason)
+        model = self.config.engine.model
+        advised = fadvise_model_files(model)
+        try:
+            after = page_cache_bytes(read_meminfo(proc))
+        except OSError:
+            after = None
+        records.append(
+            {
+                "event": "preflight.page_cache_fadvised",
+                "model": model,
+                "page_cache_bytes": cache,
+                "page_cache_after_bytes": after,
+                **advised,
+            }
+        )
         return None
 
     def _plan(self, now: float, records: list[dict[str, Any]]) -> PreflightStep | None:
@@ -339,6 +419,8 @@ class Preflight:
                 **self.plan.figures,
             }
         )
-        return PreflightStep(
-            False, None, EngineFailure(FailureKind.PLAN_REFUSED, self.plan.refusal), records=[]
+        # With vLLM's estimate of what fits, the refusal says what to start instead (policy/corrections).
+        failure = EngineFailure(
+            FailureKind.PLAN_REFUSED, self.plan.refusal, self.plan.estimated_max_model_len
         )
+        return PreflightStep(False, None, failure, records=[])

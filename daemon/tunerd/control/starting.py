@@ -21,6 +21,7 @@ from tunerd.engine.launch import build_argv, build_env, drain_args
 from tunerd.engine.leftovers import LeftoverReaper
 from tunerd.engine.oscalls import OsCalls
 from tunerd.engine.process import Engine, EngineRun
+from tunerd.policy.corrections import without_flags
 from tunerd.policy.guards import MemoryGate
 from tunerd.records.recorder import Recorder
 from tunerd.records.state import DaemonState, EngineRecord
@@ -125,9 +126,10 @@ class Starter:
 
     def _spawn(self, pending: PendingStart, now: float) -> StartStep:
         engine_cfg = self.config.engine
-        argv = build_argv(engine_cfg, pending.params) + drain_args(
-            self.config, self.dstate.capabilities or {}
-        )
+        capabilities = self.dstate.capabilities or {}
+        argv = build_argv(engine_cfg, pending.params) + drain_args(self.config, capabilities)
+        if capabilities.get("command") == list(engine_cfg.command) and capabilities.get("dropped_flags"):
+            argv = without_flags(argv, capabilities["dropped_flags"])  # this vLLM does not know them
         try:
             run = self.engine.spawn(argv, build_env(engine_cfg), pending.params, now, self.wallclock())
         except OSError as exc:

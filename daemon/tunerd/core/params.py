@@ -13,6 +13,18 @@ from pydantic import BaseModel, ConfigDict, Field
 
 Backend = Literal["cuda", "cpu"]
 
+# The parameters a rule or an exploration may move (each change is a restart of vLLM).
+TUNABLE_PARAMS = (
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "block_size",
+    "gpu_memory_utilization",
+    "kv_cache_memory_bytes",
+    "enable_chunked_prefill",
+    "enable_prefix_caching",
+)
+
 
 class EngineParams(BaseModel):
     """The tunable vLLM flags. Immutable; `replace()` returns a changed copy."""

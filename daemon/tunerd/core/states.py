@@ -21,7 +21,8 @@ class EngineState(IntEnum):
 
 # Which transitions are legal. Every change goes through one function that checks this table.
 TRANSITIONS: dict[EngineState, frozenset[EngineState]] = {
-    EngineState.STOPPED: frozenset({EngineState.STARTING, EngineState.FATAL}),
+    # STOPPED → BACKOFF: a start refused before any process existed (preflight, planner) waits to retry.
+    EngineState.STOPPED: frozenset({EngineState.STARTING, EngineState.BACKOFF, EngineState.FATAL}),
     EngineState.STARTING: frozenset({EngineState.RUNNING, EngineState.STOPPING, EngineState.BACKOFF}),
     EngineState.RUNNING: frozenset({EngineState.STOPPING, EngineState.BACKOFF}),
     EngineState.STOPPING: frozenset({EngineState.STOPPED, EngineState.BACKOFF, EngineState.FATAL}),

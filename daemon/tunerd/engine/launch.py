@@ -34,17 +34,35 @@ def build_argv(engine: EngineConfig, params: EngineParams) -> list[str]:
     return argv
 
 
+# Every cache the engine writes, and where it goes under the service's persistent cache directory.
+# TorchInductor's default is /tmp/torchinductor_<user>, which the unit's PrivateTmp= throws away at every
+# restart of the service (the next vLLM start compiles again); Triton's is ~/.triton/cache.
+ENGINE_CACHES = {
+    "TORCHINDUCTOR_CACHE_DIR": "torchinductor",
+    "TRITON_CACHE_DIR": "triton",
+    "VLLM_CACHE_ROOT": "vllm",
+    "HF_HOME": "huggingface",
+}
+
+
 def build_env(engine: EngineConfig, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The daemon's environment without systemd's notify/watchdog variables, plus the config's `env`.
 
     vLLM must never see NOTIFY_SOCKET or WATCHDOG_USEC: it would talk to systemd as if it were the
     service. PYTHONUNBUFFERED makes every line reach the log file at once, so a fatal line is seen
-    within the loop's tick.
+    within the loop's tick. Under systemd's `CacheDirectory=` (`$CACHE_DIRECTORY`, the first when it
+    names several) every cache of ENGINE_CACHES not already set goes under it, so compiled kernels and
+    downloads survive a restart of the service; [engine.env] wins over all of it.
     """
     env = dict(os.environ if base is None else base)
     for key in SYSTEMD_CHILD_ENV_BLOCKLIST:
         env.pop(key, None)
     env["PYTHONUNBUFFERED"] = "1"
+    cache_root = env.get("CACHE_DIRECTORY", "").split(":")[0]
+    if os.path.isabs(cache_root):
+        for key, name in ENGINE_CACHES.items():
+            if not env.get(key):
+                env[key] = os.path.join(cache_root, name)
     env.update(engine.env)
     return env
 

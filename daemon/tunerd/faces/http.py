@@ -60,7 +60,8 @@ class Exporter:
         self._thread.start()
 
     def stop(self) -> None:
-        self._server.shutdown()
+        if self._thread.is_alive():  # shutdown() waits for a serving loop: never call it without one
+            self._server.shutdown()
         self._server.server_close()
 
     def publish(self, snapshot: dict[str, Any]) -> None:

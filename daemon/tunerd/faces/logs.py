@@ -1,23 +1,63 @@
-"""structlog set-up: JSON lines when stderr is not a terminal (journald, files), readable on a terminal."""
+"""structlog set-up: JSON lines when stderr is not a terminal (journald, files), readable on a terminal.
+
+When stderr is the journal (systemd's `JOURNAL_STREAM` names it), every line starts with the `<N>` of
+sd-daemon(3), N the syslog priority of its level, so that `journalctl -u tunerd -p err` shows tunerd's
+errors; journald strips the prefix. Any other sink gets the lines unprefixed.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from collections.abc import Mapping
+from typing import IO, Any
 
 import structlog
 
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
+# syslog(3) priorities by structlog level name (add_log_level names `exception` "error", `warn` "warning").
+SYSLOG_PRIORITIES = {"debug": 7, "info": 6, "warning": 4, "warn": 4, "error": 3, "critical": 2, "fatal": 2}
+DEFAULT_PRIORITY = 6  # journald's own default for a stream line (info)
 
-def configure_logging(level: str = "info", fmt: str = "auto") -> None:
-    """Configure structlog for the process. `fmt`: auto | json | console. Safe to call again (reload)."""
-    console = sys.stderr.isatty() if fmt == "auto" else fmt == "console"
+
+def stderr_is_journal(stream: IO[Any] | None = None, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether `stream` (default stderr) is the journal stream systemd connected: `JOURNAL_STREAM` is
+    `<device>:<inode>` of it (systemd.exec(5)); a redirected stderr no longer matches."""
+    value = (os.environ if environ is None else environ).get("JOURNAL_STREAM", "")
+    device, sep, inode = value.partition(":")
+    if not sep or not device.isdigit() or not inode.isdigit():
+        return False
+    try:
+        st = os.fstat((sys.stderr if stream is None else stream).fileno())
+    except (OSError, ValueError, AttributeError):
+        return False
+    return st.st_dev == int(device) and st.st_ino == int(inode)
+
+
+class JournalPriorityPrefix:
+    """Wraps the final renderer: `<N>` + the rendered line, N the syslog priority of the record's level."""
+
+    def __init__(self, renderer: structlog.types.Processor) -> None:
+        self.renderer = renderer
+
+    def __call__(self, logger: Any, method_name: str, event_dict: Any) -> str:
+        level = str(event_dict.get("level", method_name)).lower()
+        priority = SYSLOG_PRIORITIES.get(level, DEFAULT_PRIORITY)
+        return f"<{priority}>{self.renderer(logger, method_name, event_dict)}"
+
+
+def configure_logging(level: str = "info", fmt: str = "auto", stream: IO[str] | None = None) -> None:
+    """Configure structlog for the process. `fmt`: auto | json | console. Safe to call again (reload).
+    `stream`: where the lines go (default: stderr)."""
+    out = sys.stderr if stream is None else stream
+    console = out.isatty() if fmt == "auto" else fmt == "console"
     renderer: structlog.types.Processor = (
-        structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
-        if console
-        else structlog.processors.JSONRenderer()
+        structlog.dev.ConsoleRenderer(colors=out.isatty()) if console else structlog.processors.JSONRenderer()
     )
+    if stderr_is_journal(out):
+        renderer = JournalPriorityPrefix(renderer)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -27,6 +67,6 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=out),
         cache_logger_on_first_use=False,
     )

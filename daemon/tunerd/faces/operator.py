@@ -22,10 +22,10 @@ from typing import Any
 
 from tunerd.faces.http import QuietHandler
 
-COMMANDS = frozenset({"resume", "restart"})
+COMMANDS = frozenset({"resume", "restart", "pause"})
 MAX_BODY = 64 * 1024
 SOCKET_MODE = 0o660
-_DIGITS = re.compile(r"[0-9]{1,9}")  # a Content-Length: no sign, no spaces, bounded
+_DIGITS = re.compile(r"[0-9]+")  # a Content-Length: no sign, no spaces
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,8 @@ class OperatorSocket:
         self._thread.start()
 
     def stop(self) -> None:
-        self._server.shutdown()
+        if self._thread.is_alive():  # shutdown() waits for a serving loop: never call it without one
+            self._server.shutdown()
         self._server.server_close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
@@ -133,10 +134,11 @@ class OperatorSocket:
                     self.close_connection = True
                     return
                 refusal = operator.accept(command)
-                if refusal is not None:
-                    self.reply_json(400, {"error": refusal})
-                    return
-                self.reply_json(202, {"accepted": True})
+                with contextlib.suppress(OSError):  # the client may be gone by now: nothing to tell it
+                    if refusal is not None:
+                        self.reply_json(400, {"error": refusal})
+                    else:
+                        self.reply_json(202, {"accepted": True})
 
             def do_GET(self) -> None:
                 self.reply_json(405, {"error": "POST a command: " + ", ".join(sorted(COMMANDS))})

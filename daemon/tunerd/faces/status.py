@@ -11,8 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from tunerd import __version__
+from tunerd.config.rules import Rule
 from tunerd.control.lifecycle import Lifecycle
+from tunerd.control.tuner import Tuner
 from tunerd.core.params import EngineParams
+from tunerd.policy.rules import RuleState
 
 
 @dataclass(frozen=True)
@@ -69,4 +72,43 @@ def build_status(
         },
         "last_journal": last_record,
         "signals": {name: {"value": value, "unit": units.get(name, "")} for name, value in signals.items()},
+    }
+
+
+def tuning_status(tuner: Tuner, now: float) -> dict[str, Any]:
+    """The tuning part of the status document (`tunerd status`, `tunerd rules`)."""
+    left = tuner.memory.budget()
+    trial = tuner.trial
+    wall = tuner.memory.wall()
+    return {
+        "mode": tuner.config.tuning.mode,
+        "paused": tuner.paused,
+        "trial": None
+        if trial is None
+        else {
+            **trial.describe(),
+            "phase": trial.phase.name.lower(),
+            "phase_s": round(now - trial.phase_since, 1),
+        },
+        "budget": {"hour_left": left.hour_left, "day_left": left.day_left},
+        "baseline": tuner.memory.baseline,
+        "tabu": [e.model_dump() for e in tuner.memory.state.tabu if e.until > wall],
+        "rules": [_rule_view(tuner, rule, now) for rule in tuner.rules],
+    }
+
+
+def _rule_view(tuner: Tuner, rule: Rule, now: float) -> dict[str, Any]:
+    state = tuner.states.get(rule.name, RuleState())
+    mute = tuner.memory.muted(rule.name)
+    return {
+        "name": rule.name,
+        "action": rule.action.model_dump(),
+        "terms": [t.as_dict() for t in state.last],
+        "holding_s": None if state.holding_since is None else round(now - state.holding_since, 1),
+        "for_s": rule.for_s,
+        "cooldown_left_s": max(0.0, round(state.cooldown_until - now, 1)) if state.last_fired else 0.0,
+        "last_fired_s_ago": None if state.last_fired is None else round(now - state.last_fired, 1),
+        "muted_left_s": round(mute[0], 1) if mute else None,
+        "muted_why": mute[1] if mute else None,
+        "losses": tuner.memory.state.losses.get(rule.name, 0),
     }

@@ -19,18 +19,17 @@ computed per kind and cached until the next poll (bench/poll_cost.py measures th
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable, Mapping
-from itertools import accumulate
 from math import isfinite
 from operator import add, attrgetter, lt, sub
 from typing import TYPE_CHECKING
 
-from tunerd.observe.signal_catalog import KEY_INDICATORS, SIGNAL_TABLE, SIGNALS, SignalSpec, signals_markdown
+from tunerd.core.engine_sample import bucket_quantile, histogram_quantile, monotonic_counts
+from tunerd.core.signal_catalog import KEY_INDICATORS, SIGNAL_TABLE, SIGNALS, SignalSpec, signals_markdown
 
 if TYPE_CHECKING:
-    from tunerd.observe.vllm_metrics import EngineSample, Histogram
+    from tunerd.core.engine_sample import EngineSample, Histogram
 
 __all__ = [
     "EXTRA_COUNTERS",
@@ -66,39 +65,6 @@ _EXTREMES_INPUTS = frozenset(arg for _, arg in (*_MAX, *_MIN))
 _QUANTILES: dict[str, tuple[tuple[str, float], ...]] = {}
 for _name, (_input, _q) in _BY_KIND["quantile"]:  # type: ignore[misc]
     _QUANTILES[_input] = (*_QUANTILES.get(_input, ()), (_name, _q))
-
-
-def histogram_quantile(q: float, bounds: tuple[float, ...], cumulative: tuple[float, ...]) -> float | None:
-    """Prometheus' `histogram_quantile` (promql/quantile.go `bucketQuantile`) for one histogram.
-
-    `bounds` are the sorted upper bounds ending with +Inf, `cumulative` the cumulative counts. Returns
-    None where Prometheus returns NaN (no observations, no +Inf bucket, fewer than two buckets).
-    """
-    if not 0.0 <= q <= 1.0 or len(bounds) < 2 or bounds[-1] != math.inf:
-        return None
-    return _bucket_quantile(q, bounds, _monotonic(cumulative))
-
-
-def _monotonic(cumulative: Iterable[float]) -> list[float]:
-    # ensureMonotonic: a reset mid-window can leave small dips (a running max from 0, in C).
-    return list(accumulate(cumulative, max, initial=0.0))[1:]
-
-
-def _bucket_quantile(q: float, bounds: tuple[float, ...], counts: list[float]) -> float | None:
-    """`histogram_quantile` over counts already made monotonic (valid q, bounds ending with +Inf)."""
-    total = counts[-1]
-    if total <= 0:
-        return None
-    rank = q * total
-    b = bisect_left(counts, rank, 0, len(counts) - 1)  # the first bucket holding the rank-th observation
-    if b == len(counts) - 1:
-        return bounds[-2]
-    if b == 0 and bounds[0] <= 0:
-        return bounds[0]
-    start, count = 0.0, counts[b]
-    if b > 0:
-        start, count, rank = bounds[b - 1], count - counts[b - 1], rank - counts[b - 1]
-    return start + (bounds[b] - start) * (rank / count)
 
 
 class _Series:
@@ -369,9 +335,9 @@ class SignalWindow:
         les = self._hists[name].les
         if len(les) < 2 or les[-1] != math.inf:  # type: ignore[index]
             return
-        counts = _monotonic(delta[1])
+        counts = monotonic_counts(delta[1])
         for signal, q in wanted:
-            out[signal] = _bucket_quantile(q, les, counts)  # type: ignore[arg-type]
+            out[signal] = bucket_quantile(q, les, counts)  # type: ignore[arg-type]
 
     def update(
         self,

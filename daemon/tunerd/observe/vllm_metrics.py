@@ -24,6 +24,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from tunerd.core.engine_sample import EngineSample, Histogram
+
 __all__ = [
     "DEFAULT_TIMEOUT",
     "EngineSample",
@@ -43,39 +45,6 @@ _HEADERS = {"Accept": "text/plain;version=0.0.4;q=1,*/*;q=0.1", "Accept-Encoding
 
 class MetricsParseError(ValueError):
     """The text is not Prometheus text exposition, or is truncated; the message says why."""
-
-
-@dataclass(frozen=True, slots=True)
-class Histogram:
-    """A histogram aggregated over its series: `buckets` are (le, cumulative count) sorted by le with
-    `+Inf` last; `count` and `sum` are the summed `_count` and `_sum` samples."""
-
-    buckets: tuple[tuple[float, float], ...]
-    count: float
-    sum: float
-
-
-@dataclass(frozen=True, slots=True)
-class EngineSample:
-    """The families tunerd reads from one `/metrics` body, aggregated over series (`model_name`,
-    `engine`, ...): counters and running/waiting summed, KV usage the max, buckets summed by `le`.
-    A field is None when its family is absent from the body; None never means 0.
-    `cache_config` is the label dict of the first `vllm:cache_config_info` series (label set varies
-    by vLLM version)."""
-
-    kv_cache_usage: float | None = None
-    requests_running: float | None = None
-    requests_waiting: float | None = None
-    preemptions_total: float | None = None
-    prompt_tokens_total: float | None = None
-    generation_tokens_total: float | None = None
-    prefix_cache_queries_total: float | None = None
-    prefix_cache_hits_total: float | None = None
-    ttft: Histogram | None = None
-    inter_token_latency: Histogram | None = None
-    e2e_latency: Histogram | None = None
-    queue_time: Histogram | None = None
-    cache_config: Mapping[str, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from tunerd.config import BackoffConfig
-from tunerd.core.failures import BLAMES_PARAMS, UNFIXABLE, EngineFailure, FailureKind
+from tunerd.core.failures import BLAMES_PARAMS, UNFIXABLE, EngineFailure
 from tunerd.core.params import EngineParams
+from tunerd.policy.corrections import Correction
 
 
 class Action(StrEnum):
@@ -29,6 +30,7 @@ class RestartDecision:
     failures: int  # consecutive failures counted against the parameters that will run next
     reason: str
     params: EngineParams | None = None  # the parameters to start with (None for FATAL)
+    drop_flags: tuple[str, ...] = ()  # flags to leave out of the command line from now on
 
 
 def backoff_delay(policy: BackoffConfig, failures: int) -> float:
@@ -61,18 +63,26 @@ def decide_after_failure(
     failure: EngineFailure | None,
     params: EngineParams,
     known_good: EngineParams | None,
+    correction: Correction | None = None,
 ) -> RestartDecision:
     """Decide the next step after the engine failed (start failure, crash, hang, wedge, OOM kill).
 
     - A failure vLLM says cannot be cured by retrying (model missing, bad flags) rolls back when
       different known-good parameters exist, else goes FATAL at once: no retry loop.
-    - "estimated maximum model length is N" with a larger max_model_len → retry with N (journaled).
+    - A start-up failure that says what would fit (`correction`, policy/corrections.py: vLLM's estimated
+      max_model_len, the free share of the GPU, a flag this vLLM does not know …) → one corrected
+      start, counted as a failure like any other, before anything else.
     - Otherwise retry with exponential, capped backoff; after `max_failures` consecutive failures,
       roll back to last-known-good if those are not the ones failing, else FATAL.
     """
     failures = consecutive_failures(policy, failures_before, ran_for_s)
     can_roll_back = known_good is not None and known_good != params
     kind = failure.kind if failure is not None else None
+
+    if correction is not None and failures < policy.max_failures:
+        return RestartDecision(
+            Action.CORRECT, 0.0, failures, correction.reason, correction.params, correction.drop_flags
+        )
 
     if kind in UNFIXABLE:
         if can_roll_back:
@@ -81,16 +91,6 @@ def decide_after_failure(
 
     if kind in BLAMES_PARAMS and can_roll_back:
         return RestartDecision(Action.ROLLBACK, 0.0, 0, f"{kind}: these parameters failed", known_good)
-
-    corrected = _corrected_params(failure, params)
-    if corrected is not None:
-        return RestartDecision(
-            Action.CORRECT,
-            0.0,
-            failures,
-            f"vLLM estimates max_model_len {corrected.max_model_len} fits; retrying with it",
-            corrected,
-        )
 
     if failures >= policy.max_failures:
         if can_roll_back:
@@ -102,12 +102,3 @@ def decide_after_failure(
     return RestartDecision(
         Action.RETRY, delay, failures, f"failure {failures} of {policy.max_failures}", params
     )
-
-
-def _corrected_params(failure: EngineFailure | None, params: EngineParams) -> EngineParams | None:
-    if failure is None or failure.kind is not FailureKind.KV_CACHE_TOO_SMALL:
-        return None
-    estimate = failure.estimated_max_model_len
-    if not estimate or (params.max_model_len is not None and params.max_model_len <= estimate):
-        return None
-    return params.replace(max_model_len=estimate)

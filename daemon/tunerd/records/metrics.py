@@ -79,6 +79,26 @@ class Metrics:
         self.journal_errors = Counter(
             "tunerd_journal_write_errors", "Journal records that could not be made durable", registry=r
         )
+        self.rule_active = Gauge(
+            "tunerd_rule_active",
+            "1 while a rule's condition holds (0: does not hold or unknown)",
+            ["rule"],
+            registry=r,
+        )
+        self.trials = Counter("tunerd_trials", "Tuning trials by outcome", ["outcome"], registry=r)
+        self.tuning_mode = Gauge(
+            "tunerd_tuning_mode", "Tuning mode: 2=auto, 1=dry-run, 0=off, -1=paused", registry=r
+        )
+        self.restart_budget = Gauge(
+            "tunerd_restart_budget_remaining",
+            "Trial restarts left in the hourly and daily budget",
+            registry=r,
+        )
+        self.trial_phase = Gauge(
+            "tunerd_trial_phase",
+            "Trial phase: 0=none, 1=planning, 2=restarting, 3=warm-up, 4=evaluating, 5=reverting",
+            registry=r,
+        )
         self.reload_ok.set(1)
         self._signal_gauges: dict[str, Gauge] = {}
         self._params_seen: set[str] = set()

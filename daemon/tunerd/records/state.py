@@ -29,6 +29,47 @@ class EngineRecord(BaseModel):
     log: str | None = None
 
 
+class TabuEntry(BaseModel):
+    """A parameter value no trial may propose until `until` (wall time, seconds since the epoch)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    param: str
+    value: Any
+    until: float
+    why: str
+
+
+class KeptChange(BaseModel):
+    """A change a trial kept: when (wall time), which parameter, from and to."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    at: float
+    param: str
+    old: Any
+    new: Any
+    trial: int
+    rule: str
+
+
+class TuningState(BaseModel):
+    """What the tuner must remember across daemon restarts: a pause, tabu values, the restart budget
+    spent, the changes kept (for `revert` and the flip-flop check), the baseline, losing rules."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    paused: bool = False
+    next_trial: int = 1
+    tabu: list[TabuEntry] = Field(default_factory=list)
+    restarts: list[float] = Field(default_factory=list)  # wall times of trial restarts (the budget)
+    kept: list[KeptChange] = Field(default_factory=list)
+    baseline: dict[str, float] = Field(default_factory=dict)
+    baseline_at: float | None = None
+    losses: dict[str, int] = Field(default_factory=dict)
+    muted: dict[str, tuple[float, str]] = Field(default_factory=dict)  # rule → (until, why)
+
+
 class DaemonState(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -46,8 +87,10 @@ class DaemonState(BaseModel):
     baseline: dict[str, int | None] | None = None
     # vLLM version, driver/CUDA versions and model identity at the last successful start.
     identity: dict[str, Any] | None = None
-    # What `<command> --help` showed, per command (checked once; vLLM imports take 10-20 s).
+    # What `<command> --help` showed, per command (checked once; vLLM imports take 10-20 s), and the flags
+    # this command's vLLM turned out not to know (`dropped_flags`).
     capabilities: dict[str, Any] | None = None
+    tuning: TuningState = Field(default_factory=TuningState)
 
 
 class StateStore:

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import os
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tunerd.core.params import EngineParams
+from tunerd.core.params import TUNABLE_PARAMS, EngineParams
+
+if TYPE_CHECKING:
+    from tunerd.config.rules import RuleSet
 
 DEFAULT_CONFIG_PATH = "/etc/tunerd/tunerd.toml"
 CONFIG_ENV = "TUNERD_CONFIG"
@@ -153,15 +157,82 @@ class PreflightConfig(_Section):
     max_wait_s: PositiveSeconds = 180.0
     memory_tolerance_bytes: int = Field(default=1 << 30, ge=0)
     memory_tolerance_ratio: float = Field(default=0.05, ge=0, lt=1)
-    drop_page_cache: bool = False
+    # A large page cache on unified memory, before a start: off | advise (a journal line) | fadvise (drop
+    # the model files' own cache: posix_fadvise, no privilege) | drop (sync + all of it: uid 0 only).
+    # The booleans of earlier versions still read: false = advise, true = drop.
+    drop_page_cache: Literal["off", "advise", "fadvise", "drop"] = "fadvise"
     page_cache_advice_ratio: float = Field(default=0.10, gt=0, le=1)
     planner: Literal["enforce", "warn", "off"] = "enforce"
+
+    @field_validator("drop_page_cache", mode="before")
+    @classmethod
+    def _page_cache_boolean(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            return "drop" if value else "advise"
+        return value
 
 
 class ExportConfig(_Section):
     enabled: bool = True
     host: str = "127.0.0.1"
     port: int = Field(default=9464, ge=0, le=65535)  # 0: any free port (written to state_dir/export.addr)
+
+
+class MaintenanceWindow(_Section):
+    """A time when trials may run: starts at each time `cron` names (crontab syntax, local time, through
+    APScheduler's CronTrigger) and lasts `duration_s`."""
+
+    cron: str = Field(min_length=1)
+    duration_s: PositiveSeconds
+
+    @field_validator("cron")
+    @classmethod
+    def _cron_parses(cls, value: str) -> str:
+        from apscheduler.triggers.cron import CronTrigger
+
+        try:
+            CronTrigger.from_crontab(value)
+        except ValueError as exc:
+            raise ValueError(f"{value!r} is not a crontab expression: {exc}") from None
+        return value
+
+
+class TuningConfig(_Section):
+    """The tuning loop: rules propose one change at a time; each is a trial, verified and kept or
+    reverted (etc/tunerd/tunerd.toml documents every key)."""
+
+    mode: Literal["auto", "dry-run", "off"] = "auto"
+    rules: Path | None = None  # None: rules.toml beside the config file, if there is one
+    warmup_s: float = Field(default=20.0, ge=0)
+    window_s: PositiveSeconds = 60.0
+    max_extend_s: float = Field(default=60.0, ge=0)
+    objective: Literal["throughput.generation", "ttft.p95", "itl.p95", "e2e.p95"] = "throughput.generation"
+    tolerance: float = Field(default=0.05, ge=0, lt=1)
+    load_tolerance: float = Field(default=0.25, gt=0, lt=1)
+    saturated_waiting: float = Field(default=0.5, ge=0)
+    saturated_kv_usage: float = Field(default=0.9, gt=0, le=1)
+    ttft_p95_max_s: float | None = Field(default=None, gt=0)
+    itl_p95_max_s: float | None = Field(default=None, gt=0)
+    itl_p95_max_increase: float = Field(default=1.0, ge=0)
+    restarts_per_hour: int = Field(default=4, ge=0)
+    restarts_per_day: int = Field(default=24, ge=0)
+    min_serving_s: float = Field(default=300.0, ge=0)
+    tabu_s: float = Field(default=6 * 3600.0, ge=0)
+    mute_after_losses: int = Field(default=2, ge=1)
+    mute_s: float = Field(default=6 * 3600.0, ge=0)
+    unified_max_gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
+    maintenance: list[MaintenanceWindow] = Field(default_factory=list)
+    bounds: dict[str, tuple[float, float]] = Field(default_factory=dict)
+
+    @field_validator("bounds")
+    @classmethod
+    def _bounds_name_tunables(cls, value: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
+        for name, (low, high) in value.items():
+            if name not in TUNABLE_PARAMS:
+                raise ValueError(f"{name!r} is not a tunable parameter (one of: {', '.join(TUNABLE_PARAMS)})")
+            if not low <= high:
+                raise ValueError(f"{name}: low {low:g} is above high {high:g}")
+        return value
 
 
 class LoggingConfig(_Section):
@@ -178,6 +249,7 @@ class Config(_Section):
     guard: GuardConfig = Field(default_factory=GuardConfig)
     preflight: PreflightConfig = Field(default_factory=PreflightConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
+    tuning: TuningConfig = Field(default_factory=TuningConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
 
@@ -227,3 +299,40 @@ def _format_error(name: str, err: Any) -> str:
     elif "input" in err and kind not in ("model_type", "dict_type"):
         msg = f"{msg} (got {err['input']!r})"
     return f"{name}: {key}: {msg}"
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A validated config with the rules it names (`rules` None: no rules file, or tuning is off)."""
+
+    config: Config
+    rules: RuleSet | None
+    rules_path: str | None
+
+
+def load_all(path: str | os.PathLike[str]) -> Loaded:
+    """The config and its rules file, both validated. Raises ConfigError listing every problem of both.
+
+    The rules file is `tuning.rules` (relative to the config's directory), else `rules.toml` beside
+    the config when it exists. An explicitly named file must exist; with `tuning.mode = "off"` the
+    rules are not read.
+    """
+    from tunerd.config.rules import load_rules
+
+    config = load_config(path)
+    if config.tuning.mode == "off":
+        return Loaded(config, None, None)
+    rules_path = resolve_rules_path(config, path)
+    if rules_path is None:
+        return Loaded(config, None, None)
+    return Loaded(config, load_rules(rules_path), rules_path)
+
+
+def resolve_rules_path(config: Config, config_path: str | os.PathLike[str]) -> str | None:
+    """Where the rules are: `tuning.rules` against the config's directory, else an existing
+    `rules.toml` beside the config, else None."""
+    base = Path(os.fspath(config_path)).parent
+    if config.tuning.rules is not None:
+        return str(base / config.tuning.rules)
+    beside = base / "rules.toml"
+    return str(beside) if beside.is_file() else None

@@ -1,6 +1,6 @@
 """The published list of signals: name, unit, kind, source, how each is computed (docs/signals.md).
 
-Rules refer to signals by these names; `SignalWindow` (signals.py) computes them. The table is the one
+Rules refer to signals by these names; `SignalWindow` (observe/signals.py) computes them. The table is the one
 source of truth: docs/signals.md embeds `signals_markdown()`, and a test keeps the two equal.
 """
 
@@ -109,6 +109,8 @@ SIGNAL_TABLE: tuple[tuple[str, str, str, object, str, str], ...] = (
 )
 # fmt: on
 SIGNALS: tuple[SignalSpec, ...] = tuple(SignalSpec(n, u, k, src, d) for n, u, k, _, src, d in SIGNAL_TABLE)
+SIGNAL_NAMES = frozenset(s.name for s in SIGNALS)
+UNITS = {s.name: s.unit for s in SIGNALS}
 
 # The four indicators the operators' guide watches together.
 KEY_INDICATORS = ("memory.used_ratio", "host.page_fault_rate", "gpu.migration_bytes_per_s", "kv_cache.usage")

@@ -1,0 +1,514 @@
+"""The tuning loop: rules fire, the tuner proposes one change, runs it as a trial through the lifecycle's
+normal start path, decides keep or revert from like-with-like evidence, and tells the story in the journal.
+
+A stateful peer of the lifecycle, driven by the main loop (`on_poll` every poll, `step` every tick); it
+talks to the lifecycle only through `start_trial` / `end_trial` and learns outcomes as its
+`TrialListener`. Every decision is pure and lives in `tunerd.policy`: rule evaluation (`rules`), the
+proposal (`tunables`), the gates (`gates`), the evidence (`evidence`) and the verdict (`verdict`).
+
+A trial, in order: the rule fired on the *before* window of the serving run → the planner is asked
+(a refused change costs no restart) → the intent is journaled and vLLM restarted with the one change →
+warm-up → the *after* window, of the same length, of that run only → keep (the parameters become
+last-known-good and the new baseline) or revert (a restart like any other; the value goes tabu).
+
+Over 400 lines on purpose: one state machine (rules → proposal → trial phases → verdict) that reads in
+order; the decisions it takes are the policy modules', its memory is `tuning_memory`'s.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+from enum import IntEnum
+from typing import Any
+
+import structlog
+
+from tunerd.config import Config
+from tunerd.config.rules import Rule, RuleSet, StepAction
+from tunerd.control.capacity import PlanOutcome
+from tunerd.control.lifecycle import Lifecycle
+from tunerd.control.tuning_memory import TuningMemory
+from tunerd.core.failures import EngineFailure
+from tunerd.core.params import EngineParams
+from tunerd.core.states import EngineState
+from tunerd.engine.process import EngineRun
+from tunerd.observe.poller import PollSample
+from tunerd.policy.evidence import Point, WindowStats, signal_values, window_stats
+from tunerd.policy.gates import flip_flop, why_not_act
+from tunerd.policy.rules import RuleState, TermValue, eased, evaluate, term_value
+from tunerd.policy.tunables import NoProposal, Proposal, propose
+from tunerd.policy.verdict import Verdict, judge
+from tunerd.records.metrics import Metrics
+from tunerd.records.recorder import Recorder
+from tunerd.records.state import DaemonState
+
+log = structlog.get_logger("tunerd")
+
+
+class Phase(IntEnum):
+    """Where a trial is (`tunerd_trial_phase`)."""
+
+    NONE = 0
+    PLANNING = 1  # the planner is asked whether the change fits
+    RESTARTING = 2  # intent journaled; vLLM stopping and starting with the change
+    WARMUP = 3  # serving; the first seconds are skipped (compile and cache warm-up)
+    EVALUATING = 4  # the after window
+    REVERTING = 5  # the change lost: vLLM restarting with the parameters before
+
+
+@dataclass
+class Trial:
+    trial_id: int
+    rule: Rule
+    proposal: Proposal
+    before: WindowStats
+    before_values: dict[str, float | None]
+    phase: Phase
+    phase_since: float
+    plan: Future[PlanOutcome] | None = None
+    window_start: float | None = None
+    extended: bool = False
+    verdict: Verdict | None = None
+    after: WindowStats | None = None
+
+    def describe(self) -> dict[str, Any]:
+        p = self.proposal
+        return {"trial": self.trial_id, "rule": self.rule.name, "param": p.param, "old": p.old, "new": p.new}
+
+
+@dataclass
+class _RunSamples:
+    """The per-poll samples of the serving run (a trial's windows never straddle a restart)."""
+
+    run_id: int | None = None
+    points: deque[Point] = field(default_factory=deque)
+
+
+class Tuner:
+    """Owns the rules' states, the trial in progress and the tuning memory (in the state file)."""
+
+    def __init__(
+        self,
+        config: Config,
+        rules: RuleSet | None,
+        lifecycle: Lifecycle,
+        *,
+        recorder: Recorder,
+        dstate: DaemonState,
+        save_state: Callable[[], None],
+        metrics: Metrics,
+        submit: Callable[[Callable[[], PlanOutcome]], Future[PlanOutcome]],
+        wallclock: Callable[[], datetime],
+    ) -> None:
+        self.config = config
+        self.rules = rules.rules if rules is not None else ()
+        self.life = lifecycle
+        self.rec = recorder
+        self.dstate = dstate
+        self.save_state = save_state
+        self.metrics = metrics
+        self.submit = submit
+        self.wallclock = wallclock
+        self.states: dict[str, RuleState] = {}
+        self.samples = _RunSamples()
+        self.live: Mapping[str, float | None] = {}
+        self.trial: Trial | None = None
+        self.memory = TuningMemory(
+            dstate.tuning,
+            lambda: self.config.tuning,
+            recorder=recorder,
+            save_state=save_state,
+            wallclock=wallclock,
+        )
+        lifecycle.trial_listener = self
+        self._publish_mode()
+
+    # -- configuration and operator commands ---------------------------------------------------
+
+    def reload(self, config: Config, rules: RuleSet | None) -> None:
+        """New config and rules (SIGHUP): rules keep their state by name; a trial runs on."""
+        self.config = config
+        self.rules = rules.rules if rules is not None else ()
+        names = {rule.name for rule in self.rules}
+        self.states = {name: state for name, state in self.states.items() if name in names}
+        self._publish_mode()
+
+    def pause(self) -> bool:
+        """Freeze tuning (persisted): no rule acts until `resume`; a trial in progress finishes."""
+        changed = self.memory.set_paused(True)
+        self._publish_mode()
+        return changed
+
+    def resume(self) -> bool:
+        changed = self.memory.set_paused(False)
+        self._publish_mode()
+        return changed
+
+    @property
+    def paused(self) -> bool:
+        return self.memory.state.paused
+
+    def _publish_mode(self) -> None:
+        mode = self.config.tuning.mode
+        value = {"off": 0, "dry-run": 1, "auto": 2}[mode]
+        self.metrics.tuning_mode.set(-1 if self.paused else value)
+
+    # -- observation ---------------------------------------------------------------------------
+
+    def on_poll(self, sample: PollSample, signals: Mapping[str, float | None], now: float) -> None:
+        """One poll: keep the serving run's sample; with no trial, evaluate the rules."""
+        run = self.life.engine.run
+        if run is None or self.life.engine.state is not EngineState.RUNNING or sample.run_id != run.run_id:
+            return
+        if run.run_id != self.samples.run_id:
+            self._new_run(run.run_id)
+        scrape = sample.scrape
+        if scrape is not None and scrape.sample is not None:
+            points = self.samples.points
+            points.append(Point(now, scrape.sample))
+            horizon = 3 * self.config.tuning.window_s + self.config.tuning.max_extend_s + 60
+            while points and points[0].t < now - horizon:
+                points.popleft()
+        self.live = signals
+        if self.trial is None:
+            self._evaluate_rules(run, now)
+
+    def _new_run(self, run_id: int) -> None:
+        self.samples = _RunSamples(run_id)
+        self.states = {name: state.fresh() for name, state in self.states.items()}
+
+    def _window(self, start: float, end: float) -> WindowStats | None:
+        """The serving run's window [start, end]."""
+        run = self.life.engine.run
+        params = run.params if run is not None else self.life.params
+        return window_stats(
+            self.samples.points,
+            start,
+            end,
+            max_num_seqs=params.max_num_seqs,
+            saturated_waiting=self.config.tuning.saturated_waiting,
+            saturated_kv_usage=self.config.tuning.saturated_kv_usage,
+        )
+
+    def _settled(self, run: EngineRun, now: float) -> bool:
+        """Past the warm-up and one whole signal window: the window holds this run only."""
+        assert run.ready_mono is not None
+        return now - run.ready_mono >= self.config.tuning.warmup_s + self.config.observe.window_s
+
+    # -- rules -----------------------------------------------------------------------------------
+
+    def _evaluate_rules(self, run: EngineRun, now: float) -> None:
+        if not self.rules or self.config.tuning.mode == "off" or not self._settled(run, now):
+            return
+        self._maybe_record_baseline(now)
+        for rule in self.rules:
+            state = self.states.get(rule.name, RuleState())
+            mute = self.memory.muted(rule.name)
+            if mute is not None:
+                state = replace(state, muted_until=now + mute[0])
+            result = evaluate(rule, state, self.live, self.memory.baseline, now)
+            self.states[rule.name] = result.state
+            self.metrics.rule_active.labels(rule=rule.name).set(1 if result.holds else 0)
+            if result.fired:
+                self._fired(rule, result.state, result.terms, run, now)
+                if self.trial is not None:
+                    return  # one change at a time
+
+    def _fired(
+        self, rule: Rule, state: RuleState, terms: tuple[TermValue, ...], run: EngineRun, now: float
+    ) -> None:
+        self.rec.record(
+            "rule.fired",
+            rule=rule.name,
+            why=rule.why,
+            terms=[t.as_dict() for t in terms],
+            held_s=rule.for_s,
+            action=rule.action.model_dump(),
+        )
+        log.info("rule.fired", rule=rule.name, terms=[str(t.term) for t in terms])
+        if rule.action.kind == "alert":
+            self.rec.record("rule.alert", rule=rule.name, why=rule.why)
+            log.warning("rule.alert", rule=rule.name, why=rule.why)
+            return
+        tuning = self.config.tuning
+        wall = self.wallclock()
+        assert run.ready_mono is not None
+        blocked = why_not_act(
+            tuning=tuning,
+            paused=self.paused,
+            trial_running=self.trial is not None,
+            budget_left=self.memory.budget(),
+            served_s=now - run.ready_mono,
+            now=wall.astimezone(),  # maintenance windows are in local time
+        )
+        if blocked is not None:
+            self.rec.record("rule.deferred", rule=rule.name, reason=blocked)
+            return
+        before = self._window(now - tuning.window_s, now)
+        if before is None:
+            self.rec.record("rule.deferred", rule=rule.name, reason="not enough samples for a before window")
+            return
+        proposal = self._propose(rule)
+        if isinstance(proposal, NoProposal) and rule.action.kind == "revert":
+            self.rec.record("rule.alert", rule=rule.name, why=rule.why, reason=proposal.reason)
+            log.warning("rule.alert", rule=rule.name, why=rule.why, reason=proposal.reason)
+            return
+        if isinstance(proposal, NoProposal):
+            self.rec.record("rule.exhausted", rule=rule.name, reason=proposal.reason)
+            self.memory.mute(rule.name, f"nothing further to try: {proposal.reason}")
+            return
+        flop = flip_flop(
+            proposal.param, proposal.new, self.memory.kept_changes(), wall.timestamp(), tuning.tabu_s
+        )
+        if flop is not None:
+            self.memory.mute(rule.name, flop)
+            return
+        before_values = signal_values(before, self.live)
+        if tuning.mode == "dry-run":
+            self.rec.record(
+                "trial.proposed",
+                rule=rule.name,
+                param=proposal.param,
+                old=proposal.old,
+                new=proposal.new,
+                notes=list(proposal.notes),
+                before=before.as_dict(),
+                mode="dry-run: nothing changes",
+            )
+            return
+        trial_id = self.memory.next_trial()
+        check = self.life.capacity.check
+        params = proposal.params
+        self.trial = Trial(
+            trial_id,
+            rule,
+            proposal,
+            before,
+            before_values,
+            Phase.PLANNING,
+            now,
+            self.submit(lambda: check(params)),
+        )
+        self._publish_phase()
+
+    def _propose(self, rule: Rule) -> Proposal | NoProposal:
+        params = self.life.params
+        if rule.action.kind == "revert":
+            return self._revert_proposal(params)
+        assert isinstance(rule.action, StepAction)
+        tuning = self.config.tuning
+        run = self.life.engine.run
+        machine = run.machine if run is not None else None
+        backend = machine.backend if machine is not None else "cuda"
+        unified = bool(machine is not None and machine.memory.unified)
+        return propose(
+            rule.action,
+            params,
+            backend=backend,
+            unified=unified,
+            bounds=tuning.bounds,
+            unified_cap=tuning.unified_max_gpu_memory_utilization,
+            tabu=self.memory.tabu(),
+        )
+
+    def _revert_proposal(self, params: EngineParams) -> Proposal | NoProposal:
+        """Undo the last kept change, if it is still in force."""
+        if not self.memory.state.kept:
+            return NoProposal("no kept change to revert")
+        last = self.memory.state.kept[-1]
+        if getattr(params, last.param) != last.new:
+            return NoProposal(f"the last kept change ({last.param} → {last.new}) is no longer in force")
+        return Proposal(last.param, last.new, last.old, params.replace(**{last.param: last.old}), ("revert",))
+
+    # -- trial phases ------------------------------------------------------------------------------
+
+    def step(self, now: float) -> None:
+        """Drive the trial in progress (every loop tick)."""
+        trial = self.trial
+        if trial is None:
+            return
+        tuning = self.config.tuning
+        if trial.phase is Phase.PLANNING and trial.plan is not None and trial.plan.done():
+            self._planned(trial, now)
+        elif trial.phase is Phase.WARMUP and now - trial.phase_since >= tuning.warmup_s:
+            self._enter(trial, Phase.EVALUATING, now)
+            trial.window_start = now
+        elif trial.phase is Phase.EVALUATING:
+            assert trial.window_start is not None
+            length = tuning.window_s + (tuning.max_extend_s if trial.extended else 0.0)
+            if now - trial.window_start >= length:
+                self._decide(trial, now)
+
+    def _planned(self, trial: Trial, now: float) -> None:
+        assert trial.plan is not None
+        try:
+            outcome = trial.plan.result()
+        except Exception as exc:  # the planner is advice: a bug in it does not stop the trial
+            outcome = PlanOutcome(None, {"planner": f"no plan: {type(exc).__name__}: {exc}"})
+        p = trial.proposal
+        if outcome.refusal is not None:
+            self.rec.record("trial.refused", **trial.describe(), reason=outcome.refusal, plan=outcome.figures)
+            self.memory.add_tabu(p.param, p.new, f"the planner refused it: {outcome.refusal}")
+            self.metrics.trials.labels(outcome="refused").inc()
+            self._end()
+            return
+        reason = f"rule {trial.rule.name}: {p.param} {p.old} → {p.new}"
+        self.rec.record(
+            "trial.started",
+            **trial.describe(),
+            params_before=self.life.params,
+            params_after=p.params,
+            notes=list(p.notes),
+            before=trial.before.as_dict(),
+            plan={
+                k: outcome.figures.get(k)
+                for k in ("band", "ratio", "kv_cache_tokens")
+                if k in outcome.figures
+            },
+        )
+        if not self.life.start_trial(trial.trial_id, p.params, reason):
+            self.rec.record("trial.aborted", **trial.describe(), reason="the restart could not be announced")
+            self._end()
+            return
+        self.memory.count_restart()
+        self._publish_phase()
+        self._enter(trial, Phase.RESTARTING, now)
+
+    def _decide(self, trial: Trial, now: float) -> None:
+        assert trial.window_start is not None
+        tuning = self.config.tuning
+        after = self._window(trial.window_start, now)
+        rule = trial.rule
+        if after is None:
+            verdict = Verdict("revert", "no evidence: too few samples in the after window")
+        else:
+            after_values = signal_values(after, self.live)
+            terms_before = self._terms(rule, trial.before_values)
+            terms_after = self._terms(rule, after_values)
+            verdict = judge(
+                trial.before,
+                after,
+                tuning=tuning,
+                purpose=rule.purpose,
+                eased=eased(rule, terms_before, terms_after, tuning.tolerance),
+                extended=trial.extended,
+            )
+        if verdict.decision == "extend":
+            trial.extended = True
+            self.rec.record(
+                "trial.extended", **trial.describe(), reason=verdict.reason, by_s=tuning.max_extend_s
+            )
+            return
+        trial.verdict, trial.after = verdict, after
+        decision = "kept" if verdict.decision == "keep" else "reverted"
+        self.rec.record(
+            "trial.decided",
+            **trial.describe(),
+            decision=decision,
+            reason=verdict.reason,
+            objective=verdict.objective,
+            objective_before=verdict.before,
+            objective_after=verdict.after,
+            ratio_interval_90=list(verdict.interval) if verdict.interval else None,
+            inconclusive=verdict.inconclusive,
+            before=trial.before.as_dict(),
+            after=after.as_dict() if after is not None else None,
+        )
+        log.info("trial.decided", **trial.describe(), decision=decision, reason=verdict.reason)
+        if verdict.decision == "keep":
+            self._kept(trial, after)
+            return
+        self._lost(trial, f"reverted: {verdict.reason}")
+        self.metrics.trials.labels(outcome="reverted").inc()
+        if self.life.end_trial(keep=False, reason=f"trial {trial.trial_id} reverted: {verdict.reason}"):
+            self.memory.count_restart()
+        self._publish_phase()
+        self._enter(trial, Phase.REVERTING, now)
+
+    def _kept(self, trial: Trial, after: WindowStats | None) -> None:
+        p = trial.proposal
+        self.life.end_trial(keep=True, reason=trial.verdict.reason if trial.verdict else "kept")
+        self.memory.kept(trial.trial_id, trial.rule.name, p.param, p.old, p.new)
+        if after is not None:
+            self.memory.set_baseline(signal_values(after, self.live), f"trial {trial.trial_id} kept")
+        self.metrics.trials.labels(outcome="kept").inc()
+        self._end()
+
+    def _lost(self, trial: Trial, why: str) -> None:
+        """The change lost (reverted or failed): its value goes tabu; a rule that keeps losing is muted."""
+        p, rule = trial.proposal, trial.rule
+        self.memory.add_tabu(p.param, p.new, why)
+        losses = self.memory.lost(rule.name)
+        if losses >= self.config.tuning.mute_after_losses:
+            self.memory.mute(rule.name, f"{losses} trials in a row lost")
+
+    def _terms(self, rule: Rule, values: Mapping[str, float | None]) -> tuple[TermValue, ...]:
+        return tuple(term_value(term, values, self.memory.baseline, False, 0.0) for term in rule.terms)
+
+    def _enter(self, trial: Trial, phase: Phase, now: float) -> None:
+        trial.phase, trial.phase_since = phase, now
+        self._publish_phase()
+
+    def _end(self) -> None:
+        self.trial = None
+        self._publish_phase()
+
+    def _publish_phase(self) -> None:
+        self.metrics.trial_phase.set(self.trial.phase if self.trial is not None else Phase.NONE)
+        self.metrics.restart_budget.set(self.memory.budget().left)
+
+    # -- what the lifecycle says (TrialListener) ---------------------------------------------------
+
+    def trial_serving(self, run: EngineRun, now: float) -> None:
+        trial = self.trial
+        if trial is not None and trial.phase is Phase.RESTARTING:
+            self._enter(trial, Phase.WARMUP, now)
+
+    def trial_failed(self, failure: EngineFailure) -> None:
+        trial = self.trial
+        if trial is None:
+            return
+        self.rec.record(
+            "trial.decided",
+            **trial.describe(),
+            decision="failed",
+            reason=f"the start with the change failed: {failure.kind}",
+            failure=failure.as_dict(),
+            before=trial.before.as_dict(),
+        )
+        self._lost(trial, f"failed: {failure.kind}")
+        self.metrics.trials.labels(outcome="failed").inc()
+        self.memory.count_restart()
+        self._publish_phase()  # the revert the lifecycle starts at once
+        self._enter(trial, Phase.REVERTING, self.life.monotonic())
+
+    def trial_reverted(self, run: EngineRun | None, failure: EngineFailure | None) -> None:
+        trial = self.trial
+        if trial is None:
+            return
+        if run is not None:
+            self.rec.record("trial.ended", **trial.describe(), outcome="reverted", params=run.params)
+        else:
+            detail = failure.as_dict() if failure is not None else None
+            self.rec.record("trial.ended", **trial.describe(), outcome="revert failed", failure=detail)
+        self._end()
+
+    def trial_aborted(self, reason: str) -> None:
+        trial = self.trial
+        if trial is None:
+            return
+        self.rec.record("trial.aborted", **trial.describe(), reason=reason)
+        self.metrics.trials.labels(outcome="aborted").inc()
+        self._end()
+
+    def _maybe_record_baseline(self, now: float) -> None:
+        if self.memory.baseline:
+            return
+        stats = self._window(now - self.config.tuning.window_s, now)
+        if stats is None or not stats.completed_rate:
+            return  # an idle engine has no baseline worth comparing with
+        self.memory.set_baseline(signal_values(stats, self.live), "first window of serving")

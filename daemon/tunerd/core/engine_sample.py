@@ -1,0 +1,80 @@
+"""What one scrape of vLLM's /metrics says: the families tunerd reads, aggregated over series.
+
+Built by `tunerd.observe.vllm_metrics`; read by the signal window (observe/signals.py) and by the
+trial evidence (policy/evidence.py), which compute rates and quantiles from two samples' difference.
+`histogram_quantile` is Prometheus' own interpolation.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from itertools import accumulate
+
+
+@dataclass(frozen=True, slots=True)
+class Histogram:
+    """A histogram aggregated over its series: `buckets` are (le, cumulative count) sorted by le with
+    `+Inf` last; `count` and `sum` are the summed `_count` and `_sum` samples."""
+
+    buckets: tuple[tuple[float, float], ...]
+    count: float
+    sum: float
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSample:
+    """The families tunerd reads from one `/metrics` body, aggregated over series (`model_name`,
+    `engine`, ...): counters and running/waiting summed, KV usage the max, buckets summed by `le`.
+    A field is None when its family is absent from the body; None never means 0.
+    `cache_config` is the label dict of the first `vllm:cache_config_info` series (label set varies
+    by vLLM version)."""
+
+    kv_cache_usage: float | None = None
+    requests_running: float | None = None
+    requests_waiting: float | None = None
+    preemptions_total: float | None = None
+    prompt_tokens_total: float | None = None
+    generation_tokens_total: float | None = None
+    prefix_cache_queries_total: float | None = None
+    prefix_cache_hits_total: float | None = None
+    ttft: Histogram | None = None
+    inter_token_latency: Histogram | None = None
+    e2e_latency: Histogram | None = None
+    queue_time: Histogram | None = None
+    cache_config: Mapping[str, str] | None = None
+
+
+def histogram_quantile(q: float, bounds: tuple[float, ...], cumulative: tuple[float, ...]) -> float | None:
+    """Prometheus' `histogram_quantile` (promql/quantile.go `bucketQuantile`) for one histogram.
+
+    `bounds` are the sorted upper bounds ending with +Inf, `cumulative` the cumulative counts. Returns
+    None where Prometheus returns NaN (no observations, no +Inf bucket, fewer than two buckets).
+    """
+    if not 0.0 <= q <= 1.0 or len(bounds) < 2 or bounds[-1] != math.inf:
+        return None
+    return bucket_quantile(q, bounds, monotonic_counts(cumulative))
+
+
+def monotonic_counts(cumulative: Iterable[float]) -> list[float]:
+    # ensureMonotonic: a reset mid-window can leave small dips (a running max from 0, in C).
+    return list(accumulate(cumulative, max, initial=0.0))[1:]
+
+
+def bucket_quantile(q: float, bounds: tuple[float, ...], counts: list[float]) -> float | None:
+    """`histogram_quantile` over counts already made monotonic (valid q, bounds ending with +Inf)."""
+    total = counts[-1]
+    if total <= 0:
+        return None
+    rank = q * total
+    b = bisect_left(counts, rank, 0, len(counts) - 1)  # the first bucket holding the rank-th observation
+    if b == len(counts) - 1:
+        return bounds[-2]
+    if b == 0 and bounds[0] <= 0:
+        return bounds[0]
+    start, count = 0.0, counts[b]
+    if b > 0:
+        start, count, rank = bounds[b - 1], count - counts[b - 1], rank - counts[b - 1]
+    return start + (bounds[b] - start) * (rank / count)

@@ -1,0 +1,143 @@
+"""Rule evaluation (pure): signals, the rule's state and `now` in; the new state and whether it fired out.
+
+- A term is `signal op threshold`; a relative threshold is `factor × baseline[signal]`.
+- Missing data never fires a rule: a term without a value (no sample, no baseline) makes the condition
+  unknown, and unknown restarts the `for` clock (a gap in the data is not a condition that held).
+- Hysteresis: a term that holds keeps holding until its value is `hysteresis` (a share of the threshold)
+  past the threshold, so a value hovering at it does not flap.
+- A rule fires when its condition has held for `for_s` without a gap, outside its cooldown and mute;
+  firing starts the cooldown and the `for` clock afresh (new evidence is needed to fire again).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+
+from tunerd.config.rules import Rule, Term
+
+_OPS: dict[str, Callable[[float, float], bool]] = {
+    "<": operator.lt,
+    "<=": operator.le,
+    ">": operator.gt,
+    ">=": operator.ge,
+    "==": operator.eq,
+    "!=": operator.ne,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TermValue:
+    """One term at one evaluation: the signal's value, the threshold it was held against, the verdict."""
+
+    term: str
+    value: float | None
+    threshold: float | None
+    holds: bool | None  # None: unknown (no value, or a relative term without a baseline)
+
+    def as_dict(self) -> dict[str, object]:
+        return {"term": self.term, "value": self.value, "threshold": self.threshold, "holds": self.holds}
+
+
+@dataclass(frozen=True, slots=True)
+class RuleState:
+    """What the evaluation remembers of one rule between polls (monotonic times)."""
+
+    holding_since: float | None = None  # the condition has held without a gap since then
+    holding: tuple[bool, ...] = ()  # per term: held at the last evaluation (hysteresis)
+    last_fired: float | None = None
+    cooldown_until: float = float("-inf")
+    muted_until: float = float("-inf")
+    mute_reason: str | None = None
+    losses: int = 0  # consecutive trials of this rule that were reverted
+    last: tuple[TermValue, ...] = field(default_factory=tuple)  # the last evaluation, for `tunerd rules`
+
+    def fresh(self) -> RuleState:
+        """The state for a new engine run: the condition must hold anew; cooldown, mute, losses stay."""
+        return replace(self, holding_since=None, holding=(), last=())
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    state: RuleState
+    holds: bool | None  # the condition now (None: unknown)
+    fired: bool
+    terms: tuple[TermValue, ...]
+
+
+def term_value(
+    term: Term,
+    signals: Mapping[str, float | None],
+    baseline: Mapping[str, float],
+    was_holding: bool,
+    hysteresis: float,
+) -> TermValue:
+    """Evaluate one term; a held term releases only `hysteresis × |threshold|` past the threshold."""
+    value = signals.get(term.signal)
+    threshold: float | None = term.threshold
+    if term.relative:
+        base = baseline.get(term.signal)
+        threshold = None if base is None else term.threshold * base
+    if value is None or threshold is None:
+        return TermValue(str(term), value, threshold, None)
+    margin = abs(threshold) * hysteresis if was_holding else 0.0
+    if term.op in (">", ">="):
+        holds = _OPS[term.op](value, threshold - margin)
+    elif term.op in ("<", "<="):
+        holds = _OPS[term.op](value, threshold + margin)
+    else:
+        holds = _OPS[term.op](value, threshold)
+    return TermValue(str(term), value, threshold, holds)
+
+
+def condition(rule: Rule, terms: tuple[TermValue, ...]) -> bool | None:
+    """`all` / `any` over the terms; unknown if any term is unknown (missing data decides nothing)."""
+    verdicts = [t.holds for t in terms]
+    if any(v is None for v in verdicts):
+        return None
+    return all(verdicts) if rule.combine == "all" else any(verdicts)
+
+
+def evaluate(
+    rule: Rule,
+    state: RuleState,
+    signals: Mapping[str, float | None],
+    baseline: Mapping[str, float],
+    now: float,
+) -> Evaluation:
+    """One evaluation of `rule` at monotonic `now`. Fires at most once per cooldown, never while muted."""
+    held = state.holding if len(state.holding) == len(rule.terms) else (False,) * len(rule.terms)
+    terms = tuple(
+        term_value(term, signals, baseline, was, rule.hysteresis)
+        for term, was in zip(rule.terms, held, strict=True)
+    )
+    holds = condition(rule, terms)
+    holding = tuple(bool(t.holds) for t in terms)
+    if not holds:  # False or unknown: the `for` clock starts again
+        new = replace(state, holding_since=None, holding=holding if holds is False else (), last=terms)
+        return Evaluation(new, holds, False, terms)
+    since = state.holding_since if state.holding_since is not None else now
+    new = replace(state, holding_since=since, holding=holding, last=terms)
+    ready = now - since >= rule.for_s and now >= new.cooldown_until and now >= new.muted_until
+    if not ready:
+        return Evaluation(new, holds, False, terms)
+    fired = replace(new, holding_since=now, last_fired=now, cooldown_until=now + rule.cooldown_s)
+    return Evaluation(fired, holds, True, terms)
+
+
+def eased(rule: Rule, before: tuple[TermValue, ...], after: tuple[TermValue, ...], tolerance: float) -> bool:
+    """Whether the triggering condition eased: it no longer holds, or at least one term that held moved
+    away from holding by more than `tolerance` (a share of its value before; preemptions 2/s → 1/s eased
+    `preemptions.rate > 0` though it still holds). A term that did not hold before cannot ease it."""
+    if condition(rule, after) is False:
+        return True
+    for term, b, a in zip(rule.terms, before, after, strict=True):
+        if b.value is None or a.value is None or not b.holds:
+            continue
+        change = abs(b.value) * tolerance
+        if term.op in (">", ">=") and a.value < b.value - change:
+            return True
+        if term.op in ("<", "<=") and a.value > b.value + change:
+            return True
+    return False

@@ -1,0 +1,409 @@
+"""A trial's evidence and verdict: window stats from synthetic per-poll samples, like-with-like load
+checks, throughput when saturated and latency otherwise, latency limits, the seeded bootstrap."""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from typing import Any, Literal
+
+import pytest
+
+from tunerd.config import TuningConfig
+from tunerd.core.engine_sample import EngineSample, Histogram
+from tunerd.policy.evidence import (
+    Point,
+    Spread,
+    WindowStats,
+    load_differs,
+    ratio_interval,
+    signal_values,
+    spread,
+    window_stats,
+)
+from tunerd.policy.verdict import Verdict, judge
+
+BOUNDS = (0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, math.inf)
+# All observations in one bucket (lower, le]: p95 = lower + 0.95 × (le − lower).
+ITL_FAST, ITL_SLOWER, ITL_SLOW, ITL_SLOWEST = 0.03, 0.04, 0.05, 0.06  # p95 0.0295, 0.0395, 0.0495, 0.0595
+TTFT_OK, TTFT_SLOW = 0.25, 1.0  # p95 0.2425, 0.975
+
+
+def histogram(observations: float, le: float) -> Histogram:
+    """`observations` all in the bucket whose upper bound is `le` (cumulative buckets)."""
+    buckets = tuple((bound, observations if bound >= le else 0.0) for bound in BOUNDS)
+    return Histogram(buckets=buckets, count=observations, sum=observations * le)
+
+
+def points(
+    *,
+    polls: int = 31,
+    start: float = 0.0,
+    dt: float = 1.0,
+    gen_per_s: float = 100.0,
+    req_per_s: float = 2.0,
+    prompt_per_req: float = 200.0,
+    running: float | None = 8.0,
+    waiting: float | None = 2.0,
+    kv: float | None = 0.5,
+    itl_le: float = ITL_FAST,
+    ttft_le: float = TTFT_OK,
+    noise: float = 0.0,
+    seed: int = 1,
+    reset_at: int | None = None,
+) -> list[Point]:
+    """One engine run's polls: cumulative counters growing at the given rates (per-interval generation
+    noise of ±`noise`, seeded), gauges constant, latencies in one bucket each. `reset_at`: the generation
+    counter restarts from 0 at that poll."""
+    rng = random.Random(seed)
+    out, generated, offset = [], 0.0, 0.0
+    for i in range(polls):
+        t = start + i * dt
+        if i:
+            generated += gen_per_s * dt * (1 + rng.uniform(-noise, noise))
+        if reset_at is not None and i == reset_at:
+            offset = generated
+        requests = req_per_s * i * dt
+        sample = EngineSample(
+            kv_cache_usage=kv,
+            requests_running=running,
+            requests_waiting=waiting,
+            preemptions_total=0.0,
+            prompt_tokens_total=requests * prompt_per_req,
+            generation_tokens_total=generated - offset,
+            ttft=histogram(requests, ttft_le),
+            inter_token_latency=histogram(generated, itl_le),
+            e2e_latency=histogram(requests, 5.0),
+        )
+        out.append(Point(t, sample))
+    return out
+
+
+def stats(max_num_seqs: int | None = None, **kw: Any) -> WindowStats:
+    series = points(**kw)
+    result = window_stats(series, series[0].t, series[-1].t, max_num_seqs=max_num_seqs, saturated_waiting=0.5)
+    assert result is not None
+    return result
+
+
+def saturated(**kw: Any) -> WindowStats:
+    return stats(**{"running": 8.0, "waiting": 2.0, **kw})
+
+
+def unsaturated(**kw: Any) -> WindowStats:
+    return stats(**{"running": 4.0, "waiting": 0.0, **kw})
+
+
+def verdict(
+    before: WindowStats,
+    after: WindowStats,
+    *,
+    purpose: Literal["performance", "safety"] = "performance",
+    eased: bool = True,
+    extended: bool = False,
+    **settings: Any,
+) -> Verdict:
+    return judge(
+        before, after, tuning=TuningConfig(**settings), purpose=purpose, eased=eased, extended=extended
+    )
+
+
+# -- window stats ----------------------------------------------------------------------------------
+
+
+def test_window_stats_give_the_rates_sizes_and_latencies_of_the_window() -> None:
+    s = saturated()
+    assert (s.polls, s.seconds) == (31, 30.0)
+    assert s.throughput.median == pytest.approx(100.0)
+    assert s.prompt_rate == pytest.approx(400.0)
+    assert s.completed_rate == pytest.approx(2.0)
+    assert s.prompt_tokens_per_request == pytest.approx(200.0)
+    assert s.generation_tokens_per_request == pytest.approx(50.0)
+    assert s.preemption_rate == 0.0
+    assert (s.running_avg, s.waiting_avg, s.kv_usage_avg) == (8.0, 2.0, 0.5)
+    assert s.itl_p95 == pytest.approx(0.0295)
+    assert s.ttft_p95 == pytest.approx(0.2425)
+
+
+def test_requests_waiting_on_average_make_a_window_saturated() -> None:
+    assert saturated().saturated
+    assert not unsaturated().saturated
+
+
+def test_a_full_batch_makes_a_window_saturated_without_waiting() -> None:
+    assert stats(running=7.5, waiting=0.0, max_num_seqs=8).saturated
+    assert not stats(running=7.0, waiting=0.0, max_num_seqs=8).saturated
+
+
+def test_fewer_than_three_polls_give_no_stats() -> None:
+    series = points(polls=2)
+    assert window_stats(series, 0.0, 10.0, max_num_seqs=None, saturated_waiting=0.5) is None
+
+
+def test_three_polls_give_stats() -> None:
+    series = points(polls=3)
+    assert window_stats(series, 0.0, 10.0, max_num_seqs=None, saturated_waiting=0.5) is not None
+
+
+def test_polls_outside_the_window_are_not_counted() -> None:
+    series = points(polls=31)
+    inside = window_stats(series, 10.0, 20.0, max_num_seqs=None, saturated_waiting=0.5)
+    assert inside is not None
+    assert (inside.polls, inside.start, inside.end) == (11, 10.0, 20.0)
+
+
+def test_a_window_without_a_token_counter_gives_no_stats() -> None:
+    series = [Point(float(t), EngineSample(requests_running=1.0)) for t in range(5)]
+    assert window_stats(series, 0.0, 10.0, max_num_seqs=None, saturated_waiting=0.5) is None
+
+
+def test_a_counter_reset_inside_a_window_is_not_counted_as_negative_throughput() -> None:
+    s = stats(reset_at=15)
+    assert min(s.throughput_samples) >= 0
+    assert len(s.throughput_samples) == 29  # the interval across the reset is left out
+    assert s.throughput.median == pytest.approx(100.0)
+
+
+def test_spread_is_the_median_and_quartiles() -> None:
+    assert spread([5.0, 1.0, 3.0, 2.0, 4.0]) == Spread(3.0, 2.0, 4.0, 5)
+
+
+def test_spread_of_one_value_is_that_value() -> None:
+    one = spread([7.0])
+    assert (one.median, one.p25, one.p75, one.n) == (7.0, 7.0, 7.0, 1)
+
+
+def test_signal_values_complete_the_window_with_live_signals() -> None:
+    values = signal_values(saturated(), {"memory.used_ratio": 0.4, "throughput.generation": 1.0})
+    assert values["memory.used_ratio"] == 0.4
+    assert values["throughput.generation"] == pytest.approx(100.0)  # the window's figure wins
+    assert values["itl.p95"] == pytest.approx(0.0295)
+
+
+def test_signal_values_without_a_window_are_the_live_signals() -> None:
+    assert signal_values(None, {"memory.used_ratio": 0.4}) == {"memory.used_ratio": 0.4}
+
+
+# -- the offered load ------------------------------------------------------------------------------
+
+
+def test_a_change_in_prompt_tokens_per_request_is_a_load_change() -> None:
+    differs = load_differs(saturated(), saturated(prompt_per_req=400.0), 0.25)
+    assert differs is not None
+    assert differs.startswith("prompt tokens per request")
+
+
+def test_a_change_in_generated_tokens_per_request_is_a_load_change() -> None:
+    differs = load_differs(saturated(), saturated(gen_per_s=200.0), 0.25)
+    assert differs is not None
+    assert differs.startswith("generated tokens per request")
+
+
+def test_saturated_a_change_in_requests_outstanding_is_a_load_change() -> None:
+    differs = load_differs(saturated(), saturated(waiting=12.0), 0.25)
+    assert differs is not None
+    assert differs.startswith("requests outstanding")
+
+
+def test_saturated_a_change_in_request_rate_alone_is_not_a_load_change() -> None:
+    assert load_differs(saturated(), saturated(gen_per_s=150.0, req_per_s=3.0), 0.25) is None
+
+
+def test_unsaturated_a_change_in_request_rate_is_a_load_change() -> None:
+    differs = load_differs(unsaturated(), unsaturated(gen_per_s=200.0, req_per_s=4.0), 0.25)
+    assert differs is not None
+    assert differs.startswith("requests per second")
+
+
+def test_unsaturated_a_change_in_requests_running_alone_is_not_a_load_change() -> None:
+    assert load_differs(unsaturated(), unsaturated(running=2.0), 0.25) is None
+
+
+def test_a_load_change_within_the_tolerance_is_not_a_load_change() -> None:
+    assert load_differs(saturated(), saturated(prompt_per_req=240.0), 0.25) is None
+
+
+# -- saturated: throughput decides -----------------------------------------------------------------
+
+
+def test_saturated_clearly_worse_throughput_is_reverted() -> None:
+    result = verdict(saturated(), saturated(gen_per_s=80.0, req_per_s=1.6))
+    assert result.decision == "revert"
+    assert result.objective == "throughput.generation"
+    assert "worse" in result.reason
+
+
+def test_saturated_better_throughput_with_the_condition_eased_is_kept() -> None:
+    result = verdict(saturated(), saturated(gen_per_s=120.0, req_per_s=2.4))
+    assert result.decision == "keep"
+    assert result.objective == "throughput.generation"
+    assert (result.before, result.after) == (pytest.approx(100.0), pytest.approx(120.0))
+
+
+def test_saturated_throughput_within_the_tolerance_with_the_condition_eased_is_kept() -> None:
+    assert verdict(saturated(), saturated(gen_per_s=97.0, req_per_s=1.94)).decision == "keep"
+
+
+def test_saturated_better_throughput_without_the_condition_easing_is_reverted() -> None:
+    result = verdict(saturated(), saturated(gen_per_s=120.0, req_per_s=2.4), eased=False)
+    assert result.decision == "revert"
+    assert "did not ease" in result.reason
+
+
+def test_saturated_the_verdict_carries_the_bootstrap_interval() -> None:
+    before, after = saturated(noise=0.2, seed=1), saturated(gen_per_s=120.0, req_per_s=2.4, noise=0.2, seed=2)
+    result = verdict(before, after)
+    assert result.interval == ratio_interval(before.throughput_samples, after.throughput_samples)
+
+
+# -- unsaturated: latency decides ------------------------------------------------------------------
+
+
+def test_unsaturated_a_worse_itl_is_reverted() -> None:
+    result = verdict(unsaturated(), unsaturated(itl_le=ITL_SLOWER))
+    assert result.decision == "revert"
+    assert result.objective == "itl.p95"
+    assert (result.before, result.after) == (pytest.approx(0.0295), pytest.approx(0.0395))
+
+
+def test_unsaturated_a_better_itl_with_the_condition_eased_is_kept() -> None:
+    result = verdict(unsaturated(itl_le=ITL_SLOWER), unsaturated())
+    assert result.decision == "keep"
+    assert result.objective == "itl.p95"
+
+
+def test_saturated_in_one_window_only_latency_decides() -> None:
+    before = saturated(running=8.0, waiting=2.0)
+    after = unsaturated(running=10.0, waiting=0.0, itl_le=ITL_SLOWER)
+    result = verdict(before, after)
+    assert result.objective == "itl.p95"
+    assert result.decision == "revert"
+
+
+def test_a_latency_objective_decides_even_when_saturated() -> None:
+    result = verdict(saturated(), saturated(ttft_le=0.5), objective="ttft.p95")
+    assert result.objective == "ttft.p95"
+    assert result.decision == "revert"
+
+
+# -- the offered load changed ----------------------------------------------------------------------
+
+
+def test_a_load_change_extends_the_window_first() -> None:
+    result = verdict(saturated(), saturated(prompt_per_req=400.0))
+    assert result.decision == "extend"
+    assert "offered load changed" in result.reason
+
+
+def test_a_load_change_after_extending_reverts_a_performance_change_as_inconclusive() -> None:
+    result = verdict(saturated(), saturated(prompt_per_req=400.0), extended=True)
+    assert (result.decision, result.inconclusive) == ("revert", True)
+
+
+def test_a_load_change_after_extending_keeps_a_safety_change_whose_condition_eased() -> None:
+    result = verdict(saturated(), saturated(prompt_per_req=400.0), extended=True, purpose="safety")
+    assert (result.decision, result.inconclusive) == ("keep", True)
+
+
+def test_a_load_change_after_extending_reverts_a_safety_change_whose_condition_did_not_ease() -> None:
+    result = verdict(
+        saturated(), saturated(prompt_per_req=400.0), extended=True, purpose="safety", eased=False
+    )
+    assert result.decision == "revert"
+
+
+def test_a_load_change_keeps_no_safety_change_that_broke_a_latency_limit() -> None:
+    after = saturated(prompt_per_req=400.0, ttft_le=TTFT_SLOW)
+    result = verdict(saturated(), after, extended=True, purpose="safety", ttft_p95_max_s=0.5)
+    assert result.decision == "revert"
+
+
+def test_a_load_change_is_not_extended_when_extending_is_off() -> None:
+    result = verdict(saturated(), saturated(prompt_per_req=400.0), max_extend_s=0)
+    assert (result.decision, result.inconclusive) == ("revert", True)
+
+
+def test_a_load_change_in_requests_outstanding_extends_when_saturated() -> None:
+    assert verdict(saturated(), saturated(waiting=12.0)).decision == "extend"
+
+
+def test_a_load_change_in_request_rate_extends_when_unsaturated() -> None:
+    assert verdict(unsaturated(), unsaturated(gen_per_s=200.0, req_per_s=4.0)).decision == "extend"
+
+
+# -- latency limits --------------------------------------------------------------------------------
+
+
+def test_an_absolute_ttft_limit_broken_while_throughput_improved_is_reverted() -> None:
+    after = saturated(gen_per_s=120.0, req_per_s=2.4, ttft_le=TTFT_SLOW)
+    result = verdict(saturated(), after, ttft_p95_max_s=0.5)
+    assert result.decision == "revert"
+    assert "TTFT p95" in result.reason
+
+
+def test_an_absolute_itl_limit_broken_while_throughput_improved_is_reverted() -> None:
+    after = saturated(gen_per_s=120.0, req_per_s=2.4, itl_le=ITL_SLOWEST)
+    result = verdict(saturated(), after, itl_p95_max_s=0.05)
+    assert result.decision == "revert"
+    assert "ITL p95" in result.reason
+
+
+def test_an_itl_increase_beyond_the_relative_limit_while_throughput_improved_is_reverted() -> None:
+    after = saturated(gen_per_s=120.0, req_per_s=2.4, itl_le=ITL_SLOW)  # +68 %
+    result = verdict(saturated(), after, itl_p95_max_increase=0.5)
+    assert result.decision == "revert"
+    assert "itl_p95_max_increase" in result.reason
+
+
+def test_an_itl_increase_within_the_relative_limit_does_not_stop_a_throughput_gain() -> None:
+    after = saturated(gen_per_s=120.0, req_per_s=2.4, itl_le=ITL_SLOW)  # +68 % < 100 %
+    assert verdict(saturated(), after).decision == "keep"
+
+
+def test_a_safety_change_that_broke_a_latency_limit_is_reverted() -> None:
+    after = saturated(itl_le=ITL_SLOWEST)
+    assert verdict(saturated(), after, purpose="safety", itl_p95_max_s=0.05).decision == "revert"
+
+
+def test_a_safety_change_whose_condition_eased_is_kept_at_some_cost_in_throughput() -> None:
+    result = verdict(saturated(), saturated(gen_per_s=80.0, req_per_s=1.6), purpose="safety")
+    assert result.decision == "keep"
+
+
+def test_a_safety_change_whose_condition_did_not_ease_is_reverted() -> None:
+    assert verdict(saturated(), saturated(), purpose="safety", eased=False).decision == "revert"
+
+
+# -- the bootstrap ---------------------------------------------------------------------------------
+
+
+def noisy(seed: int, level: float = 100.0) -> tuple[float, ...]:
+    return saturated(gen_per_s=level, req_per_s=level / 50, noise=0.3, seed=seed).throughput_samples
+
+
+def test_the_bootstrap_interval_is_the_same_for_the_same_samples() -> None:
+    before, after = noisy(1), noisy(2, 110.0)
+    assert ratio_interval(before, after) == ratio_interval(list(before), list(after))
+
+
+def test_the_bootstrap_interval_brackets_the_point_estimate() -> None:
+    before, after = noisy(3), noisy(4, 110.0)
+    low, high = ratio_interval(before, after) or (math.nan, math.nan)
+    point = statistics.median(after) / statistics.median(before)
+    assert low <= point <= high
+    assert low < high
+
+
+def test_the_bootstrap_interval_of_a_clear_gain_lies_above_one() -> None:
+    low, _ = ratio_interval(noisy(5), noisy(6, 150.0)) or (math.nan, math.nan)
+    assert low > 1.0
+
+
+def test_no_bootstrap_interval_without_samples() -> None:
+    assert ratio_interval([], [1.0, 2.0]) is None
+    assert ratio_interval([1.0, 2.0], []) is None
+
+
+def test_no_bootstrap_interval_with_a_zero_median_before() -> None:
+    assert ratio_interval([0.0, 0.0, 0.0], [1.0, 2.0, 3.0]) is None
