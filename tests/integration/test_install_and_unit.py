@@ -38,6 +38,16 @@ def test_unit_has_the_settings_the_daemon_relies_on() -> None:
     assert int(unit["TimeoutStopSec"]) > 30 + 10, "above graceful_stop_s + tunerd's SIGKILL wait"
     assert int(unit["WatchdogSec"]) > 0
     assert unit["NoNewPrivileges"] == "yes" and unit["ProtectSystem"] == "strict"
+    # What a real systemd showed (tests/system checks each under one):
+    assert "SupplementaryGroups" not in unit, "a group missing on the host fails every start (216/GROUP)"
+    assert "ExecStartPre" not in unit, (
+        "RestartPreventExitStatus= covers the main process only: a restart loop"
+    )
+    reloads = [
+        line.split("=", 1)[1] for line in UNIT.read_text().splitlines() if line.startswith("ExecReload=")
+    ]
+    assert len(reloads) == 2 and reloads[0].endswith("/tunerd check-config /etc/tunerd/tunerd.toml")
+    assert reloads[1] == "/bin/kill -HUP $MAINPID", "a config the check rejects never reaches the daemon"
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed here")
