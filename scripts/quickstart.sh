@@ -39,7 +39,7 @@ cat > "$config" <<TOML
 [engine]
 command = $command
 model = "$work/model"
-port = ${QUICKSTART_PORT:-8000}
+port = ${QUICKSTART_ENGINE_PORT:-18000}   # vLLM's own, behind the front door
 
 [engine.env]
 HF_HUB_OFFLINE = "1"
@@ -59,14 +59,22 @@ state_dir = "$work/state"
 [export]
 port = ${QUICKSTART_EXPORT_PORT:-9464}
 
+[door]
+enabled = true
+port = ${QUICKSTART_PORT:-8000}          # clients call this one
+
 [logging]
 format = "console"
 TOML
+# The shipped playbook beside the config: `tunerd rules` shows each rule's live state.
+cp etc/tunerd/rules.toml "$work/rules.toml"
 .venv/bin/tunerd check-config "$config"
 
 cat <<EOF
 ==> starting tunerd; vLLM takes 30-90 s to come up on a CPU (torch.compile warm-up).
     In another terminal:  .venv/bin/tunerd status -c $config
+                          .venv/bin/tunerd rules -c $config
+                          .venv/bin/tunerd probe -c $config
                           curl localhost:${QUICKSTART_PORT:-8000}/v1/completions -H 'Content-Type: application/json' \\
                                -d '{"model": "$work/model", "prompt": "Hello", "max_tokens": 16}'
     vLLM's own output:    $work/state/engine-logs/engine.log

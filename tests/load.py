@@ -8,6 +8,7 @@ vLLM #54227). `ignore_eos` makes every request generate exactly `max_tokens` tok
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
@@ -24,10 +25,15 @@ class LoadStats:
     errors: list[str] = field(default_factory=list)
     completion_tokens: int = 0
     latencies_s: list[float] = field(default_factory=list)
+    stream_cut: int = 0  # streams that ended with an error event (and then [DONE] or the end)
 
 
 class ClosedLoopLoad:
-    """`clients` threads, each looping: one /v1/completions request, wait for the answer, again."""
+    """`clients` threads, each looping: one /v1/completions request, wait for the answer, again.
+    `stream=True`: streamed requests (SSE); a stream counts as ok when it ends with `data: [DONE]` after
+    `max_tokens` tokens, as `stream_cut` when it carried an error event and then ended (what the front
+    door and vLLM send when the engine dies mid-answer), as an error otherwise (no [DONE]: a hang or a
+    reset)."""
 
     def __init__(
         self,
@@ -40,6 +46,7 @@ class ClosedLoopLoad:
         vocab: int = 1000,
         seed: int = 0,
         timeout_s: float = 600.0,
+        stream: bool = False,
     ) -> None:
         self.url = f"{base_url}/v1/completions"
         self.model = model
@@ -48,6 +55,7 @@ class ClosedLoopLoad:
         self.max_tokens = max_tokens
         self.vocab = vocab
         self.timeout_s = timeout_s
+        self.stream = stream
         self.stats = LoadStats()
         self._random = random.Random(seed)
         self._lock = threading.Lock()
@@ -70,6 +78,9 @@ class ClosedLoopLoad:
                     "temperature": 0.0,
                 }
                 started = time.monotonic()
+                if self.stream:
+                    self._streamed(client, body, started)
+                    continue
                 try:
                     answer = client.post(self.url, json=body)
                 except httpx.HTTPError as exc:
@@ -81,10 +92,47 @@ class ClosedLoopLoad:
                     self._stop.wait(0.5)
                     continue
                 tokens = int(answer.json().get("usage", {}).get("completion_tokens", 0))
+                if tokens != self.max_tokens:  # ignore_eos: a whole answer has exactly max_tokens
+                    self._failed(f"incomplete: {tokens} of {self.max_tokens} tokens")
+                    continue
                 with self._lock:
                     self.stats.ok += 1
                     self.stats.completion_tokens += tokens
                     self.stats.latencies_s.append(time.monotonic() - started)
+
+    def _streamed(self, client: httpx.Client, body: dict[str, object], started: float) -> None:
+        tokens, error, done = 0, False, False
+        try:
+            with client.stream("POST", self.url, json={**body, "stream": True}) as answer:
+                if answer.status_code != 200:
+                    self._failed(f"HTTP {answer.status_code}")
+                    self._stop.wait(0.5)
+                    return
+                for line in answer.iter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                    elif line.startswith("data: "):
+                        event = json.loads(line[6:])
+                        error |= "error" in event
+                        # A token event: text, or none yet finished (a random-weight model's token may
+                        # decode to "" — a partial UTF-8 byte — and still be a token).
+                        tokens += sum(
+                            1 for c in event.get("choices", ()) if c.get("text") or not c.get("finish_reason")
+                        )
+        except httpx.HTTPError as exc:
+            self._failed(f"stream: {type(exc).__name__} after {tokens} tokens")
+            return
+        with self._lock:
+            if error:
+                self.stats.stream_cut += 1
+            elif done and tokens > 0:
+                self.stats.ok += 1
+                self.stats.completion_tokens += tokens
+                self.stats.latencies_s.append(time.monotonic() - started)
+            else:
+                self.stats.errors.append(
+                    f"stream ended after {tokens} token events, {'with' if done else 'without'} [DONE]"
+                )
 
     def _failed(self, reason: str) -> None:
         with self._lock:

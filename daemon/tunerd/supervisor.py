@@ -2,8 +2,11 @@
 
 Signal handlers, the observation jobs and HTTP handlers only put events on `self.events` (a
 SimpleQueue, whose put is safe inside a signal handler). Everything that changes state happens here,
-in the loop's thread: the engine's lifecycle (control/lifecycle.py), the signal window, config reloads,
-shutdown, the status document, systemd notifications.
+in the loop's thread: the engine's lifecycle (control/lifecycle.py), the tuner, the probe, the front
+door's state, the signal window, config reloads, shutdown, the status document, systemd notifications.
+
+Over 400 lines on purpose: it wires every part together (`setup`) and dispatches every event; what each
+part does lives in control/ (the operator's commands in control/commands.py).
 """
 
 from __future__ import annotations
@@ -22,25 +25,33 @@ import structlog
 from tunerd import __version__
 from tunerd.config import Config, ConfigError, load_all
 from tunerd.config.rules import RuleSet
+from tunerd.control.cache_reset import CacheReset
 from tunerd.control.capacity import CalibrationDone
+from tunerd.control.commands import Commands, refusal
+from tunerd.control.door_link import DOOR_EVENTS, DoorLink
 from tunerd.control.lifecycle import ACTIVE, Lifecycle
+from tunerd.control.prober import Prober
+from tunerd.control.recall import Recall
 from tunerd.control.tuner import Tuner
+from tunerd.core.commands import Command
 from tunerd.core.machine import MemoryReading
 from tunerd.core.params import EngineParams
 from tunerd.core.states import EngineState
+from tunerd.door import Door
 from tunerd.engine.launch import build_env
 from tunerd.engine.oscalls import OsCalls
 from tunerd.faces.http import Exporter
 from tunerd.faces.logs import configure_logging
-from tunerd.faces.operator import Command, OperatorSocket
+from tunerd.faces.operator import OperatorSocket
 from tunerd.faces.status import DaemonFacts, build_status, tuning_status
 from tunerd.faces.systemd import Notifier
 from tunerd.observe.health import HealthResult
 from tunerd.observe.identity import Capabilities, EngineIdentity, probe_capabilities
-from tunerd.observe.jobs import WAKE, ObserveJobs
+from tunerd.observe.jobs import WAKE, Due, ObserveJobs
 from tunerd.observe.poller import PollSample, PollTarget
 from tunerd.observe.signals import SIGNALS, SignalWindow
 from tunerd.records.durable import atomic_write
+from tunerd.records.experience import Experience, experience_path
 from tunerd.records.journal import Journal, JournalError, utc_now
 from tunerd.records.metrics import Metrics
 from tunerd.records.recorder import Recorder
@@ -93,6 +104,10 @@ class Supervisor:
         self.operator: OperatorSocket | None = None
         self.lifecycle: Lifecycle | None = None
         self.tuner: Tuner | None = None
+        self.prober: Prober | None = None
+        self.cache_reset: CacheReset | None = None
+        self.door_link: DoorLink | None = None
+        self.commands: Commands | None = None
         self._published_at = float("-inf")
         self.reload_requested = False
         self.shutting_down = False
@@ -120,6 +135,7 @@ class Supervisor:
         if report.aborted_intents:
             log.warning("journal.intents_aborted", intents=report.aborted_intents)
         self._start_exporter()
+        door = self._start_door()
         self._start_operator_socket()
         self.lifecycle = Lifecycle(
             self.config,
@@ -134,6 +150,28 @@ class Supervisor:
             monotonic=self.monotonic,
             wallclock=self.wallclock,
         )
+        if door is not None:
+            self.door_link = DoorLink(door, self.lifecycle, recorder=self.recorder)
+        recall = Recall(
+            Experience(experience_path(self.config.paths.state_dir)),
+            self.lifecycle,
+            lambda: self.config,
+            recorder=self.recorder,
+            wallclock=self.wallclock,
+        )
+        capacity = self.lifecycle.capacity
+        self.prober = Prober(
+            self.config,
+            self.lifecycle,
+            recorder=self.recorder,
+            submit=self.jobs.submit,
+            vocab=lambda: model.vocab_size if (model := capacity.model()) is not None else None,
+            monotonic=self.monotonic,
+            recall=recall,
+        )
+        self.cache_reset = CacheReset(
+            self.config, self.lifecycle, recorder=self.recorder, submit=self.jobs.submit
+        )
         self.tuner = Tuner(
             self.config,
             self.rules,
@@ -144,12 +182,30 @@ class Supervisor:
             metrics=self.metrics,
             submit=self.jobs.submit,
             wallclock=self.wallclock,
+            prober=self.prober,
+            recall=recall,
+            knobs=self.door_link,
         )
+        self.commands = Commands(
+            self.lifecycle, self.tuner, self.prober, lambda: self.door_link, recorder=self.recorder
+        )
+        self._schedule()
         params, why = self.lifecycle.initial_params()
         self.recorder.record(
             "daemon.started", version=__version__, config=self.config_path, params=params, why=why
         )
         self.lifecycle.schedule_start(params, "start", why, delay=0.0)
+
+    def _schedule(self) -> None:
+        """The scheduled work (APScheduler posts `Due` events; the loop decides whether it runs)."""
+        probe = self.config.probe
+        on = probe.enabled
+        self.jobs.schedule(
+            "probe",
+            interval_s=probe.interval_s if on and probe.interval_s else None,
+            cron=probe.cron if on else None,
+        )
+        self.jobs.schedule("cache_reset", cron=self.config.cache_reset.cron)
 
     def _start_exporter(self) -> None:
         export = self.config.export
@@ -166,6 +222,20 @@ class Supervisor:
         atomic_write(self.config.paths.export_address_file, f"{host}:{port}\n".encode())
         self.exporter.start()
 
+    def _start_door(self) -> Door | None:
+        """The front door, listening before the first start (requests wait in it until vLLM serves)."""
+        config = self.config.door
+        if not config.enabled:
+            return None
+        door = Door(config, post=self.events.put, registry=self.metrics.registry)
+        try:
+            door.start()
+        except OSError as exc:
+            raise DaemonSetupError(
+                f"door.port: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}"
+            ) from exc
+        return door
+
     def _start_operator_socket(self) -> None:
         path = str(self.config.paths.socket_path)
         try:
@@ -177,13 +247,10 @@ class Supervisor:
     def _accept_command(self, command: Command) -> str | None:
         """Handler thread: validate what can be validated without the loop's state, then enqueue.
         None = accepted; else why not."""
-        if command.name == "restart":
-            try:
-                self.config.engine.params.replace(**command.params)
-            except ValueError as exc:
-                return str(exc).splitlines()[0]
-        self.events.put(command)
-        return None
+        why = refusal(command, self.config)
+        if why is None:
+            self.events.put(command)
+        return why
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -209,6 +276,8 @@ class Supervisor:
             for face in (self.exporter, self.operator):
                 if face is not None:
                     face.stop()
+            if self.door_link is not None:  # last: what still waits in it gets 503, never a reset
+                self.door_link.door.stop()
             self.journal.close()
         return self.exit_code
 
@@ -263,12 +332,19 @@ class Supervisor:
             lifecycle.on_memory(event, now)
         elif isinstance(event, EngineIdentity):
             lifecycle.on_identity(event)
+            assert self.tuner is not None
+            self.tuner.on_identity()
         elif isinstance(event, Capabilities):
             lifecycle.on_capabilities(event)
         elif isinstance(event, CalibrationDone):
             lifecycle.on_calibration(event)
         elif isinstance(event, Command):
             self._on_command(event)
+        elif isinstance(event, DOOR_EVENTS):
+            assert self.door_link is not None
+            self.door_link.on_event(event)
+        elif isinstance(event, Due):
+            self._on_due(event)
         elif event == WAKE:
             pass  # a submitted job finished: the step that follows looks at it
         else:
@@ -278,8 +354,12 @@ class Supervisor:
         lifecycle = self.lifecycle
         assert lifecycle is not None
         lifecycle.step(now)
-        assert self.tuner is not None
+        assert self.tuner is not None and self.prober is not None and self.cache_reset is not None
+        self.prober.step(now)
         self.tuner.step(now)
+        self.cache_reset.step(self.signals)
+        if self.door_link is not None:
+            self.door_link.step()
         state = lifecycle.engine.state
         if self.reload_requested and state not in (EngineState.STARTING, EngineState.STOPPING):
             self.reload_requested = False  # a reload during a restart waits until it settles
@@ -298,16 +378,21 @@ class Supervisor:
         assert lifecycle is not None
         run = lifecycle.engine.run
         scrape = sample.scrape if run is not None and sample.run_id == run.run_id else None
+        if scrape is not None and scrape.sample is not None and self.door_link is not None:
+            sample = self.door_link.with_door_queue(sample)  # who waits in the door waits for vLLM too
+            scrape = sample.scrape
         self.metrics.scrape_up.set(1.0 if scrape is not None and scrape.error is None else 0.0)
         if scrape is not None and scrape.error:
             log.debug("engine.scrape_failed", error=scrape.error)
         try:
             engine_sample = scrape.sample if scrape is not None else None
-            self.signals = self.window.update(
+            signals = self.window.update(
                 sample.taken_at, engine_sample, sample.readings, scraped=scrape is not None
             )
         except ValueError:  # older than the last sample (cannot happen with one poll thread): drop it
             return
+        assert self.prober is not None
+        self.signals = {**signals, **self.prober.signals(now)}  # the rules read the probe's figures too
         self.metrics.set_signals(self.signals, SIGNAL_UNITS)
         lifecycle.on_poll(sample, now)
         assert self.tuner is not None
@@ -331,24 +416,22 @@ class Supervisor:
         if self.jobs.poller.target != poll:
             self.jobs.poller.target = poll
 
+    def _on_due(self, due: Due) -> None:
+        """Scheduled work came due: the periodic probe, the off-peak cache reset."""
+        assert self.prober is not None and self.cache_reset is not None
+        if self.shutting_down:
+            return
+        if due.what == "probe":
+            self.prober.due("periodic health check", busy=self.signals.get("requests.running"))
+        elif due.what == "cache_reset":
+            self.cache_reset.due(self.signals)
+
     # -- operator actions --------------------------------------------------------------------------
 
     def _on_command(self, command: Command) -> None:
-        lifecycle = self.lifecycle
-        assert lifecycle is not None
-        if self.shutting_down:
-            return
-        assert self.tuner is not None
-        if command.name == "pause":
-            self.tuner.pause()
-        elif command.name == "resume":
-            # Resumes what is stopped: paused tuning, and an engine in FATAL (`tunerd resume` says which).
-            self.tuner.resume()
-            lifecycle.resume("operator resume")
-        elif command.name == "restart":
-            params = lifecycle.params.replace(**command.params)
-            reason = command.reason or "operator restart"
-            lifecycle.restart(params, reason, action="change" if params != lifecycle.params else "restart")
+        if not self.shutting_down:
+            assert self.commands is not None
+            self.commands.run(command)
 
     def _reload(self) -> None:
         """SIGHUP: load the config again; a bad one is rejected and the old one stays."""
@@ -366,16 +449,27 @@ class Supervisor:
         new = loaded.config
         old, self.config, self.rules = self.config, new, loaded.rules
         lifecycle.config = new
-        assert self.tuner is not None
+        assert self.tuner is not None and self.prober is not None and self.cache_reset is not None
         self.tuner.reload(new, loaded.rules)
+        self.prober.config = self.cache_reset.config = new
+        self._schedule()
         self.metrics.reload_ok.set(1)
         self.metrics.reload_time.set_to_current_time()
         self.jobs.health.timeouts = new.timeouts
         configure_logging(new.logging.level, new.logging.format)
-        if (new.paths, new.export, new.observe) != (old.paths, old.export, old.observe):
+        same_door = new.door.model_copy(update={"max_in_flight": None}) == old.door.model_copy(
+            update={"max_in_flight": None}
+        )
+        if (new.paths, new.export, new.observe) != (old.paths, old.export, old.observe) or not same_door:
             log.warning(
-                "config.restart_needed", detail="[paths], [export], [observe] apply at daemon restart"
+                "config.restart_needed",
+                detail="[paths], [export], [observe] and [door] (but max_in_flight) apply at daemon restart",
             )
+        if self.door_link is not None:
+            if new.door.max_in_flight != old.door.max_in_flight:
+                self.door_link.set_max_in_flight(new.door.max_in_flight, "config reload")
+            if new.engine.model != old.engine.model:
+                self.door_link.set_model_dir(new.engine.model)
         self._probe_capabilities_if_needed()  # a new engine command is asked what it offers
         self.recorder.record(
             "config.reloaded",
@@ -418,6 +512,8 @@ class Supervisor:
             now,
         )
         document["tuning"] = tuning_status(self.tuner, now)
+        if self.door_link is not None:
+            document["door"] = self.door_link.status()
         return document
 
     def _status_changed(self) -> None:

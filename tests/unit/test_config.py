@@ -210,3 +210,29 @@ def test_empty_command_program_is_rejected() -> None:
     with pytest.raises(ConfigError) as info:
         parse_config({"engine": {"model": "m", "command": [" ", "serve"]}}, "t.toml")
     assert info.value.problems == ["t.toml: engine.command: the first element must name a program"]
+
+
+def _problems(data: dict) -> list[str]:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(data, "t.toml")
+    return caught.value.problems
+
+
+def test_the_door_needs_a_port_of_its_own_and_vllm_on_loopback() -> None:
+    engine = {"model": "/m", "port": 8000}
+    (problem,) = _problems({"engine": engine, "door": {"enabled": True, "port": 8000}})
+    assert problem.startswith("t.toml: (top level): door: port 8000 is also engine.port")
+    (problem,) = _problems(
+        {"engine": {**engine, "host": "0.0.0.0", "port": 18000}, "door": {"enabled": True}}
+    )
+    assert "door: engine.host '0.0.0.0' is not loopback" in problem
+    config = parse_config({"engine": {**engine, "port": 18000}, "door": {"enabled": True}})
+    assert config.door.enabled and config.door.port == 8000
+    assert not parse_config({"engine": engine}).door.enabled  # off unless the config turns it on
+
+
+def test_a_probe_longer_than_the_context_is_refused_at_load() -> None:
+    data = {"engine": {"model": "/m", "params": {"max_model_len": 200}}, "probe": {"prompt_tokens": 128}}
+    (problem,) = _problems(data)
+    assert "probe: prompt_tokens + max_tokens = 256 is over engine.params.max_model_len 200" in problem
+    assert parse_config({**data, "probe": {"enabled": False}}).probe.enabled is False

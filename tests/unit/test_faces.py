@@ -17,9 +17,10 @@ import pytest
 
 from tests.unit.fakes import make_rig
 from tunerd import __version__
+from tunerd.core.commands import Command
 from tunerd.core.states import EngineState
 from tunerd.faces.http import Exporter
-from tunerd.faces.operator import MAX_BODY, Command, CommandError, OperatorSocket, parse_command
+from tunerd.faces.operator import MAX_BODY, CommandError, OperatorSocket, parse_command
 from tunerd.faces.status import DaemonFacts, build_status
 from tunerd.records.metrics import Metrics
 
@@ -178,7 +179,13 @@ def parse(name: str, length: str | None, body: bytes = b"") -> Command:
 @pytest.mark.parametrize(
     ("name", "length", "body", "status", "message"),
     [
-        ("reboot", "0", b"", 404, "unknown command 'reboot' (known: pause, restart, resume)"),
+        (
+            "reboot",
+            "0",
+            b"",
+            404,
+            "unknown command 'reboot' (known: door, explore, pause, probe, restart, resume)",
+        ),
         ("restart", "abc", b"", 400, "Content-Length 'abc' is not a byte count"),
         ("restart", "-1", b"", 400, "Content-Length '-1' is not a byte count"),
         ("restart", "+5", b"", 400, "Content-Length '+5' is not a byte count"),

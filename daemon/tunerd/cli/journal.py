@@ -107,18 +107,33 @@ def follow(
     interval_s: float = 0.25,
     keep_going: Callable[[], bool] = lambda: True,
 ) -> None:
-    """Print records appended after `offset` (default: the current end of the file), as they come.
+    """Print records appended after `offset` (default: the current end of the file), as they come,
+    until `keep_going()` is false (see `tail_records`)."""
+    for record in tail_records(path, offset=offset, interval_s=interval_s, keep_going=keep_going):
+        if since is None or _record_time(record) >= since:
+            out.write(_render(record, as_json) + "\n")
+            out.flush()
+
+
+def tail_records(
+    path: str,
+    *,
+    offset: int | None = None,
+    interval_s: float = 0.25,
+    keep_going: Callable[[], bool] = lambda: True,
+) -> Iterator[Record]:
+    """The records appended after `offset` (default: the current end of the file), as they come.
 
     Survives the file being created later, replaced or cut back (journal repair): it then starts
-    over from the new file's beginning. Returns when `keep_going()` is false.
+    over from the new file's beginning. Ends when `keep_going()` is false.
     """
-    offset = _size(path) if offset is None else offset
+    offset = journal_size(path) if offset is None else offset
     inode, partial = _inode(path), b""
     while keep_going():
         current = _inode(path)
         if current != inode:
             offset, inode, partial = 0, current, b""
-        size = _size(path)
+        size = journal_size(path)
         if size < offset:
             offset, partial = 0, b""
         if size > offset:
@@ -129,9 +144,9 @@ def follow(
             *lines, partial = (partial + data).split(b"\n")
             for raw in lines:
                 record = _loads(raw)
-                if record is not None and (since is None or _record_time(record) >= since):
-                    out.write(_render(record, as_json) + "\n")
-            out.flush()
+                if record is not None:
+                    yield record
+            continue  # more may have come while these were read
         time.sleep(interval_s)
 
 
@@ -154,7 +169,7 @@ def _inode(path: str) -> int | None:
         return None
 
 
-def _size(path: str) -> int:
+def journal_size(path: str) -> int:
     try:
         return os.stat(path).st_size
     except OSError:

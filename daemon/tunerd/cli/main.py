@@ -111,9 +111,10 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="the plan as JSON, for scripts")
     plan.set_defaults(func=cmd_plan)
 
-    from tunerd.cli.tuning import add_commands
+    from tunerd.cli import door, memory, probe, tuning
 
-    add_commands(sub, _config_option)
+    for module in (tuning, probe, memory, door):
+        module.add_commands(sub, _config_option)
     return parser
 
 

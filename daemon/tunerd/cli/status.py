@@ -43,9 +43,30 @@ def render_status(doc: dict[str, Any]) -> str:
                 f"  trial #{trial['trial']} ({trial['rule']}): {trial['param']} {trial['old']} → "
                 f"{trial['new']}, {trial['phase']} for {trial['phase_s']} s"
             )
+        ex = tuning.get("exploration")
+        if ex:
+            lines.append(
+                f"  exploration #{ex['explore']} of {', '.join(ex['params'])}: {ex['step']} for "
+                f"{ex['step_s']} s, point {ex['point']}, best {ex['best']} ({ex['best_objective']}), "
+                f"{ex['points']} points, {ex['restarts']} restarts"
+            )
         if tuning.get("baseline"):
             figures = ", ".join(f"{k} {v:.4g}" for k, v in sorted(tuning["baseline"].items()))
             lines.append(f"  baseline: {figures}")
+            if tuning.get("baseline_why"):
+                lines.append(f"    from: {tuning['baseline_why']}")
+        probe = tuning.get("probe") or {}
+        if probe.get("last"):
+            lines.append(f"  last probe ({probe['age_s']:.0f} s ago): {probe_line(probe['last'])}")
+        if probe.get("running"):
+            lines.append("  a probe is running")
+    door = doc.get("door")
+    if isinstance(door, dict):
+        cap = door.get("max_in_flight")
+        lines.append(
+            f"door {door.get('address')}: {door.get('state')}, {door.get('in_flight')} in flight, "
+            f"{door.get('queued')} waiting, cap {cap if cap is not None else 'none'} (tunerd door)"
+        )
     if daemon.get("journal_error"):
         lines.append(f"journal: NOT WRITABLE: {daemon['journal_error']} (tuning frozen)")
     last = doc.get("last_journal")
@@ -78,3 +99,19 @@ def _duration(seconds: Any) -> str:
     hours, rest = divmod(seconds, 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
+
+
+def probe_line(figures: dict[str, Any]) -> str:
+    """One probe's figures on a line: tokens/s, TTFT and ITL p50/p95, errors."""
+
+    def ms(key: str) -> str:
+        value = figures.get(key)
+        return "?" if value is None else f"{value * 1000:.0f}"
+
+    throughput = figures.get("throughput")
+    rate = "?" if throughput is None else f"{throughput:.1f}"
+    return (
+        f"{rate} tok/s, TTFT p50/p95 {ms('ttft_p50')}/{ms('ttft_p95')} ms, "
+        f"ITL p50/p95 {ms('itl_p50')}/{ms('itl_p95')} ms, {len(figures.get('errors') or [])} errors "
+        f"of {figures.get('requests', '?')} requests"
+    )

@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tunerd.core.params import TUNABLE_PARAMS, EngineParams
+from tunerd.config.door import DoorConfig
+from tunerd.core.hosts import is_loopback
+from tunerd.core.params import LIVE_PARAMS, TUNABLE_PARAMS, EngineParams
 
 if TYPE_CHECKING:
     from tunerd.config.rules import RuleSet
@@ -197,6 +199,38 @@ class MaintenanceWindow(_Section):
         return value
 
 
+class ProbeConfig(_Section):
+    """The benchmark probe: a fixed, cache-cold workload against the engine's OpenAI API (a sensor)."""
+
+    enabled: bool = True
+    prompt_tokens: int = Field(default=128, ge=1)
+    max_tokens: int = Field(default=128, ge=1)  # generated with ignore_eos: exactly this many per request
+    requests: int = Field(default=8, ge=1)
+    concurrency: int = Field(default=4, ge=1)
+    timeout_s: PositiveSeconds = 120.0
+    interval_s: float = Field(default=900.0, ge=0)  # periodic health check; 0: only on demand
+    cron: str | None = None  # instead of interval_s: crontab times (off-peak), local time
+    skip_when_running_above: float = Field(default=0.0, ge=0)  # live traffic first: skipped while busier
+
+    @field_validator("cron")
+    @classmethod
+    def _cron_parses(cls, value: str | None) -> str | None:
+        return value if value is None else MaintenanceWindow._cron_parses(value)
+
+
+class CacheResetConfig(_Section):
+    """Off-peak reset of vLLM's prefix cache (`POST /reset_prefix_cache`, vLLM's dev mode only)."""
+
+    cron: str | None = None  # e.g. "30 3 * * *"; None: never
+    retries: int = Field(default=5, ge=0)
+    retry_after_s: PositiveSeconds = 10.0
+
+    @field_validator("cron")
+    @classmethod
+    def _cron_parses(cls, value: str | None) -> str | None:
+        return value if value is None else MaintenanceWindow._cron_parses(value)
+
+
 class TuningConfig(_Section):
     """The tuning loop: rules propose one change at a time; each is a trial, verified and kept or
     reverted (etc/tunerd/tunerd.toml documents every key)."""
@@ -222,14 +256,17 @@ class TuningConfig(_Section):
     mute_s: float = Field(default=6 * 3600.0, ge=0)
     unified_max_gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
     maintenance: list[MaintenanceWindow] = Field(default_factory=list)
+    explore_in_windows: list[str] = Field(default_factory=list)  # params explored once per window
+    explore_tolerance: float = Field(default=0.03, ge=0, lt=1)  # a step must improve the probe by more
     bounds: dict[str, tuple[float, float]] = Field(default_factory=dict)
 
     @field_validator("bounds")
     @classmethod
     def _bounds_name_tunables(cls, value: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
+        known = (*TUNABLE_PARAMS, *LIVE_PARAMS)
         for name, (low, high) in value.items():
-            if name not in TUNABLE_PARAMS:
-                raise ValueError(f"{name!r} is not a tunable parameter (one of: {', '.join(TUNABLE_PARAMS)})")
+            if name not in known:
+                raise ValueError(f"{name!r} is not a tunable parameter (one of: {', '.join(known)})")
             if not low <= high:
                 raise ValueError(f"{name}: low {low:g} is above high {high:g}")
         return value
@@ -250,7 +287,41 @@ class Config(_Section):
     preflight: PreflightConfig = Field(default_factory=PreflightConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
     tuning: TuningConfig = Field(default_factory=TuningConfig)
+    probe: ProbeConfig = Field(default_factory=ProbeConfig)
+    cache_reset: CacheResetConfig = Field(default_factory=CacheResetConfig)
+    door: DoorConfig = Field(default_factory=DoorConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @model_validator(mode="after")
+    def _door_in_front_of_a_private_vllm(self) -> Config:
+        """With the door on, clients use door.port and vLLM listens on loopback, on a port of its own."""
+        door, engine = self.door, self.engine
+        if not door.enabled:
+            return self
+        if door.port == engine.port:
+            raise ValueError(
+                f"door: port {door.port} is also engine.port: vLLM needs a port of its own behind the door "
+                "(the shipped config: engine.port = 18000)"
+            )
+        if door.port and door.port == self.export.port:
+            raise ValueError(f"door: port {door.port} is also export.port")
+        if not is_loopback(engine.host):
+            raise ValueError(
+                f"door: engine.host {engine.host!r} is not loopback: behind the door vLLM listens on "
+                "127.0.0.1 (what goes around the door is neither held across a restart nor counted)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _probe_fits_the_context(self) -> Config:
+        """A probe request longer than the context is refused by vLLM (HTTP 400): say so at load."""
+        limit, probe = self.engine.params.max_model_len, self.probe
+        if probe.enabled and limit is not None and probe.prompt_tokens + probe.max_tokens > limit:
+            raise ValueError(
+                f"probe: prompt_tokens + max_tokens = {probe.prompt_tokens + probe.max_tokens} is over "
+                f"engine.params.max_model_len {limit}: vLLM would refuse every probe request"
+            )
+        return self
 
 
 class ConfigError(Exception):

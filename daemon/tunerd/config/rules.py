@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tunerd.config import ConfigError
-from tunerd.core.params import TUNABLE_PARAMS
+from tunerd.core.params import LIVE_PARAMS, TUNABLE_PARAMS
 from tunerd.core.signal_catalog import SIGNAL_NAMES
 
 Op = Literal["<", "<=", ">", ">=", "==", "!="]
@@ -67,7 +67,9 @@ class _Model(BaseModel):
 
 class StepAction(_Model):
     """Move one parameter: by a factor (`factor = 0.5`), by a step (`by = 4`) or to the next allowed
-    value (`next = true`)."""
+    value (`next = true`). `then`: the parameters moved the same way, in order, when `param` can move
+    no further (at its bound, its next value tabu, the front door off) — e.g. the door's in-flight cap,
+    which needs no restart, then `max_num_seqs`."""
 
     kind: Literal["step"]
     param: str
@@ -75,12 +77,21 @@ class StepAction(_Model):
     factor: float | None = Field(default=None, gt=0)
     by: float | None = Field(default=None, gt=0)
     next: bool = False
+    then: list[str] = Field(default_factory=list)
 
     @field_validator("param")
     @classmethod
     def _tunable(cls, value: str) -> str:
-        if value not in TUNABLE_PARAMS:
-            raise ValueError(f"{value!r} is not a tunable parameter (one of: {', '.join(TUNABLE_PARAMS)})")
+        known = (*TUNABLE_PARAMS, *LIVE_PARAMS)
+        if value not in known:
+            raise ValueError(f"{value!r} is not a tunable parameter (one of: {', '.join(known)})")
+        return value
+
+    @field_validator("then")
+    @classmethod
+    def _tunables(cls, value: list[str]) -> list[str]:
+        for name in value:
+            cls._tunable(name)
         return value
 
     @model_validator(mode="after")

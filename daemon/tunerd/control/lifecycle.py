@@ -22,6 +22,7 @@ import structlog
 
 from tunerd.config import Config
 from tunerd.control.capacity import CalibrationDone, Capacity
+from tunerd.control.drain_host import DrainHost
 from tunerd.control.engine_facts import EngineFacts, identity_job
 from tunerd.control.preflight import Submit, run_here
 from tunerd.control.run_guards import RunGuards
@@ -52,7 +53,7 @@ CALIBRATES = (FailureKind.KV_CACHE_TOO_SMALL, FailureKind.NO_KV_MEMORY, FailureK
 NOT_SERVING = (FailureKind.ENGINE_DEAD, FailureKind.ENGINE_INIT_FAILED, FailureKind.EXITED)
 
 
-class Lifecycle(TrialHost):
+class Lifecycle(TrialHost, DrainHost):
     def __init__(
         self,
         config: Config,
@@ -190,6 +191,7 @@ class Lifecycle(TrialHost):
             )
         if engine.state is EngineState.RUNNING and run is not None:
             self._maybe_mark_known_good(run, now)
+        self._step_drain(now)
         pending = self.pending
         if (
             pending is not None
@@ -292,6 +294,11 @@ class Lifecycle(TrialHost):
 
     # -- failures --------------------------------------------------------------------------------
 
+    def fail(self, failure: EngineFailure, now: float) -> None:
+        """A failure seen outside the engine's own signs (the probe's wedge): handled like any other."""
+        if self.engine.run is not None:
+            self._on_failure(failure, now)
+
     def _on_failure(self, failure: EngineFailure, now: float) -> None:
         """A failure while STARTING/RUNNING: journal it at once and stop the whole tree."""
         engine = self.engine
@@ -334,6 +341,7 @@ class Lifecycle(TrialHost):
             pid=run.pid,
             reason=run.stop_reason,
             seconds=round(event.seconds, 2),
+            grace_s=run.stop.grace_s if run.stop is not None else None,
             sigkill=event.killed,
             survivors=list(event.survivors),
         )
@@ -416,16 +424,21 @@ class Lifecycle(TrialHost):
     def _maybe_mark_known_good(self, run: EngineRun, now: float) -> None:
         """Parameters that have served for `known_good_after_s` become last-known-good — never while a
         trial runs: only the trial's decision promotes its parameters (`end_trial`)."""
-        if self.trial is not None or run.uptime(now) < self.config.backoff.known_good_after_s:
+        if (
+            self.trial is not None
+            or self.hold_promotion
+            or run.uptime(now) < self.config.backoff.known_good_after_s
+        ):
             return
         if self.known_good == run.params and self.failures == 0:
             return
         self.failures = 0
         if self.known_good == run.params:
             return
-        self._promote(run.params, f"served {self.config.backoff.known_good_after_s:g} s")
+        self.promote(run.params, f"served {self.config.backoff.known_good_after_s:g} s")
 
-    def _promote(self, params: EngineParams, why: str) -> None:
+    def promote(self, params: EngineParams, why: str) -> None:
+        """`params` become last-known-good (a trial's or an exploration's decision; serving time)."""
         self.known_good = params
         self.dstate.last_known_good = params.as_dict()
         self.dstate.base_params = self.config.engine.params.as_dict()
@@ -446,7 +459,7 @@ class Lifecycle(TrialHost):
         if not self.schedule_start(params, action, reason, delay=0.0, **fields):
             return False
         if self.engine.run is not None:
-            self.engine.begin_stop(self.monotonic(), action, self._stop_grace())
+            self._planned_stop(action, reason)
         elif self.engine.state in (EngineState.BACKOFF, EngineState.FATAL):
             self.fatal_reason = None
             self.engine.enter(EngineState.STOPPED)
@@ -469,7 +482,7 @@ class Lifecycle(TrialHost):
             self.rec.outcome(self.pending.intent, "aborted", reason="daemon shutdown")
             self.pending = None
         if self.engine.run is not None and self.engine.state is not EngineState.STOPPING:
-            self.engine.begin_stop(self.monotonic(), "daemon shutdown", self._stop_grace())
+            self._planned_stop("daemon shutdown", "daemon shutdown")  # drained first, with the door
 
     def stop_now(self, monotonic: Callable[[], float], sleep: Callable[[float], None]) -> None:
         """Stop the engine outside the loop (the loop failed): SIGTERM, the grace, SIGKILL, reap.

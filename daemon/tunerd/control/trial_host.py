@@ -48,6 +48,7 @@ class TrialHost:
 
     trial: TrialContext | None = None
     trial_listener: TrialListener | None = None
+    hold_promotion: bool = False  # an exploration between its points: nothing is promoted by time
 
     def start_trial(self: Lifecycle, trial_id: int, params: EngineParams, reason: str) -> bool:
         """Restart a serving engine with `params` as trial `trial_id`, through the normal start path.
@@ -62,8 +63,9 @@ class TrialHost:
         self.trial = TrialContext(trial_id, params, before)
         return True
 
-    def end_trial(self: Lifecycle, *, keep: bool, reason: str) -> bool:
-        """The tuner's decision. Keep: the trial's parameters become last-known-good, the trial ends.
+    def end_trial(self: Lifecycle, *, keep: bool, reason: str, promote: bool = True) -> bool:
+        """The tuner's decision. Keep: the trial ends, its parameters stay in force and, with `promote`,
+        become last-known-good (an exploration keeps its points in force without promoting them).
         Revert: a restart with the parameters before (action "revert"); the trial ends when they serve
         again (`trial_reverted`)."""
         ctx = self.trial
@@ -71,7 +73,8 @@ class TrialHost:
             return False
         if keep:
             self.trial = None
-            self._promote(ctx.params, f"trial {ctx.trial_id} kept")
+            if promote:
+                self.promote(ctx.params, f"trial {ctx.trial_id} kept")
             return True
         ctx.reverting = True
         return self._planned_restart(ctx.before, "revert", reason, trial=ctx.trial_id)

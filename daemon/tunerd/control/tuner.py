@@ -9,83 +9,51 @@ proposal (`tunables`), the gates (`gates`), the evidence (`evidence`) and the ve
 A trial, in order: the rule fired on the *before* window of the serving run → the planner is asked
 (a refused change costs no restart) → the intent is journaled and vLLM restarted with the one change →
 warm-up → the *after* window, of the same length, of that run only → keep (the parameters become
-last-known-good and the new baseline) or revert (a restart like any other; the value goes tabu).
+last-known-good and the new baseline) or revert (a restart like any other; the value goes tabu). A
+live knob's trial (the front door's in-flight cap) changes it on the running daemon instead of
+restarting: no planner, no restart, the same windows and verdict, a revert that is one call.
 
-Over 400 lines on purpose: one state machine (rules → proposal → trial phases → verdict) that reads in
-order; the decisions it takes are the policy modules', its memory is `tuning_memory`'s.
+The second mode, exploration, is `explorer`'s (started by `explore_triggers`); the proposal is
+`proposer`'s; the probe is `prober`'s. Over 400 lines on purpose: one state machine (rules → proposal
+→ trial phases → verdict) that reads in order; its decisions are the policy modules', its memory is
+`tuning_memory`'s.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from datetime import datetime
-from enum import IntEnum
-from typing import Any
 
 import structlog
 
 from tunerd.config import Config
-from tunerd.config.rules import Rule, RuleSet, StepAction
+from tunerd.config.rules import Rule, RuleSet
 from tunerd.control.capacity import PlanOutcome
+from tunerd.control.explore_triggers import ExploreTriggers
+from tunerd.control.explorer import Explorer
 from tunerd.control.lifecycle import Lifecycle
+from tunerd.control.prober import Prober
+from tunerd.control.proposer import Proposer
+from tunerd.control.recall import Recall
+from tunerd.control.trials import LiveKnobs, Phase, RunSamples, Trial
 from tunerd.control.tuning_memory import TuningMemory
 from tunerd.core.failures import EngineFailure
-from tunerd.core.params import EngineParams
 from tunerd.core.states import EngineState
 from tunerd.engine.process import EngineRun
 from tunerd.observe.poller import PollSample
+from tunerd.observe.probe import ProbeResult
 from tunerd.policy.evidence import Point, WindowStats, signal_values, window_stats
 from tunerd.policy.gates import flip_flop, why_not_act
 from tunerd.policy.rules import RuleState, TermValue, eased, evaluate, term_value
-from tunerd.policy.tunables import NoProposal, Proposal, propose
+from tunerd.policy.tunables import NoProposal
 from tunerd.policy.verdict import Verdict, judge
 from tunerd.records.metrics import Metrics
 from tunerd.records.recorder import Recorder
 from tunerd.records.state import DaemonState
 
 log = structlog.get_logger("tunerd")
-
-
-class Phase(IntEnum):
-    """Where a trial is (`tunerd_trial_phase`)."""
-
-    NONE = 0
-    PLANNING = 1  # the planner is asked whether the change fits
-    RESTARTING = 2  # intent journaled; vLLM stopping and starting with the change
-    WARMUP = 3  # serving; the first seconds are skipped (compile and cache warm-up)
-    EVALUATING = 4  # the after window
-    REVERTING = 5  # the change lost: vLLM restarting with the parameters before
-
-
-@dataclass
-class Trial:
-    trial_id: int
-    rule: Rule
-    proposal: Proposal
-    before: WindowStats
-    before_values: dict[str, float | None]
-    phase: Phase
-    phase_since: float
-    plan: Future[PlanOutcome] | None = None
-    window_start: float | None = None
-    extended: bool = False
-    verdict: Verdict | None = None
-    after: WindowStats | None = None
-
-    def describe(self) -> dict[str, Any]:
-        p = self.proposal
-        return {"trial": self.trial_id, "rule": self.rule.name, "param": p.param, "old": p.old, "new": p.new}
-
-
-@dataclass
-class _RunSamples:
-    """The per-poll samples of the serving run (a trial's windows never straddle a restart)."""
-
-    run_id: int | None = None
-    points: deque[Point] = field(default_factory=deque)
 
 
 class Tuner:
@@ -103,6 +71,9 @@ class Tuner:
         metrics: Metrics,
         submit: Callable[[Callable[[], PlanOutcome]], Future[PlanOutcome]],
         wallclock: Callable[[], datetime],
+        prober: Prober | None = None,
+        recall: Recall | None = None,
+        knobs: LiveKnobs | None = None,
     ) -> None:
         self.config = config
         self.rules = rules.rules if rules is not None else ()
@@ -114,7 +85,7 @@ class Tuner:
         self.submit = submit
         self.wallclock = wallclock
         self.states: dict[str, RuleState] = {}
-        self.samples = _RunSamples()
+        self.samples = RunSamples()
         self.live: Mapping[str, float | None] = {}
         self.trial: Trial | None = None
         self.memory = TuningMemory(
@@ -124,8 +95,65 @@ class Tuner:
             save_state=save_state,
             wallclock=wallclock,
         )
+        self.prober = prober
+        self.recall = recall
+        self.knobs = knobs
+        self.proposer = Proposer(lifecycle, self.memory, knobs, lambda: self.config)
+        self.explorer = (
+            Explorer(
+                lambda: self.config,
+                lifecycle,
+                prober,
+                self.memory,
+                recorder=recorder,
+                monotonic=lifecycle.monotonic,
+                recall=recall,
+                on_kept=self._probe_for_baseline,
+            )
+            if prober is not None
+            else None
+        )
+        self.triggers = (
+            ExploreTriggers(
+                self.explorer,
+                lifecycle,
+                self.memory,
+                recall,
+                lambda: self.config,
+                recorder=recorder,
+                wallclock=wallclock,
+                why_not=self._why_not_explore,
+            )
+            if self.explorer is not None
+            else None
+        )
+        self._baseline_probed = False  # the first probe baseline was asked for in this daemon run
         lifecycle.trial_listener = self
         self._publish_mode()
+
+    @property
+    def exploring(self) -> bool:
+        return self.explorer is not None and self.explorer.current is not None
+
+    def explore(self, params: list[str], reason: str) -> str | None:
+        """Start an exploration of `params` (`tunerd explore`); None when it started, else why not."""
+        if self.triggers is None:
+            return "the probe is off: an exploration measures with it"
+        return self.triggers.explore(params, reason)
+
+    def on_identity(self) -> None:
+        """vLLM's identity is known: the tuning memory is consulted (control/explore_triggers.py)."""
+        if self.triggers is not None:
+            self.triggers.on_identity()
+
+    def _why_not_explore(self) -> str | None:
+        if self.config.tuning.mode != "auto":
+            return f"tuning.mode is {self.config.tuning.mode}"
+        if self.paused:
+            return "tuning is paused (tunerd resume)"
+        if self.trial is not None:
+            return "a trial is running"
+        return None
 
     # -- configuration and operator commands ---------------------------------------------------
 
@@ -174,11 +202,11 @@ class Tuner:
             while points and points[0].t < now - horizon:
                 points.popleft()
         self.live = signals
-        if self.trial is None:
+        if self.trial is None and not self.exploring:
             self._evaluate_rules(run, now)
 
     def _new_run(self, run_id: int) -> None:
-        self.samples = _RunSamples(run_id)
+        self.samples = RunSamples(run_id)
         self.states = {name: state.fresh() for name, state in self.states.items()}
 
     def _window(self, start: float, end: float) -> WindowStats | None:
@@ -252,7 +280,11 @@ class Tuner:
         if before is None:
             self.rec.record("rule.deferred", rule=rule.name, reason="not enough samples for a before window")
             return
-        proposal = self._propose(rule)
+        if self.recall is not None:  # what the memory knows to be bad under this load
+            for param, value, why in self.recall.bad_values(before):
+                if (param, value) not in self.memory.tabu():
+                    self.memory.add_tabu(param, value, f"tuning memory: {why}")
+        proposal = self.proposer.propose(rule)
         if isinstance(proposal, NoProposal) and rule.action.kind == "revert":
             self.rec.record("rule.alert", rule=rule.name, why=rule.why, reason=proposal.reason)
             log.warning("rule.alert", rule=rule.name, why=rule.why, reason=proposal.reason)
@@ -283,51 +315,21 @@ class Tuner:
         trial_id = self.memory.next_trial()
         check = self.life.capacity.check
         params = proposal.params
-        self.trial = Trial(
-            trial_id,
-            rule,
-            proposal,
-            before,
-            before_values,
-            Phase.PLANNING,
-            now,
-            self.submit(lambda: check(params)),
-        )
+        plan = None if proposal.live else self.submit(lambda: check(params))
+        self.trial = Trial(trial_id, rule, proposal, before, before_values, Phase.PLANNING, now, plan)
         self._publish_phase()
-
-    def _propose(self, rule: Rule) -> Proposal | NoProposal:
-        params = self.life.params
-        if rule.action.kind == "revert":
-            return self._revert_proposal(params)
-        assert isinstance(rule.action, StepAction)
-        tuning = self.config.tuning
-        run = self.life.engine.run
-        machine = run.machine if run is not None else None
-        backend = machine.backend if machine is not None else "cuda"
-        unified = bool(machine is not None and machine.memory.unified)
-        return propose(
-            rule.action,
-            params,
-            backend=backend,
-            unified=unified,
-            bounds=tuning.bounds,
-            unified_cap=tuning.unified_max_gpu_memory_utilization,
-            tabu=self.memory.tabu(),
-        )
-
-    def _revert_proposal(self, params: EngineParams) -> Proposal | NoProposal:
-        """Undo the last kept change, if it is still in force."""
-        if not self.memory.state.kept:
-            return NoProposal("no kept change to revert")
-        last = self.memory.state.kept[-1]
-        if getattr(params, last.param) != last.new:
-            return NoProposal(f"the last kept change ({last.param} → {last.new}) is no longer in force")
-        return Proposal(last.param, last.new, last.old, params.replace(**{last.param: last.old}), ("revert",))
+        if proposal.live:  # no restart, nothing for the planner: the change applies at once
+            self._apply_live(self.trial, now)
 
     # -- trial phases ------------------------------------------------------------------------------
 
     def step(self, now: float) -> None:
-        """Drive the trial in progress (every loop tick)."""
+        """Drive the trial or the exploration in progress (every loop tick)."""
+        if self.explorer is not None and self.triggers is not None:
+            self.explorer.step(now)
+            run = self.life.engine.run
+            settled = run is not None and run.ready_mono is not None and self._settled(run, now)
+            self.triggers.step(now, settled)
         trial = self.trial
         if trial is None:
             return
@@ -378,6 +380,21 @@ class Tuner:
         self._publish_phase()
         self._enter(trial, Phase.RESTARTING, now)
 
+    def _apply_live(self, trial: Trial, now: float) -> None:
+        """A live knob's trial: the change now, on the running daemon; then warm-up and the after window
+        as for any trial."""
+        assert self.knobs is not None
+        p = trial.proposal
+        self.rec.record(
+            "trial.started",
+            **trial.describe(),
+            restart=False,
+            notes=list(p.notes),
+            before=trial.before.as_dict(),
+        )
+        self.knobs.set(p.param, p.new, f"trial {trial.trial_id} (rule {trial.rule.name})")
+        self._enter(trial, Phase.WARMUP, now)
+
     def _decide(self, trial: Trial, now: float) -> None:
         assert trial.window_start is not None
         tuning = self.config.tuning
@@ -419,11 +436,22 @@ class Tuner:
             after=after.as_dict() if after is not None else None,
         )
         log.info("trial.decided", **trial.describe(), decision=decision, reason=verdict.reason)
+        if self.recall is not None:
+            p = trial.proposal
+            objective = verdict.after if verdict.decision == "keep" else None
+            self.recall.trial(p.params, p.param, verdict.decision, objective, trial.before, verdict.reason)
         if verdict.decision == "keep":
             self._kept(trial, after)
             return
         self._lost(trial, f"reverted: {verdict.reason}")
         self.metrics.trials.labels(outcome="reverted").inc()
+        if trial.proposal.live:  # back at once, no restart
+            assert self.knobs is not None
+            p = trial.proposal
+            self.knobs.set(p.param, p.old, f"trial {trial.trial_id} reverted")
+            self.rec.record("trial.ended", **trial.describe(), outcome="reverted", restart=False)
+            self._end()
+            return
         if self.life.end_trial(keep=False, reason=f"trial {trial.trial_id} reverted: {verdict.reason}"):
             self.memory.count_restart()
         self._publish_phase()
@@ -431,10 +459,12 @@ class Tuner:
 
     def _kept(self, trial: Trial, after: WindowStats | None) -> None:
         p = trial.proposal
-        self.life.end_trial(keep=True, reason=trial.verdict.reason if trial.verdict else "kept")
+        if not p.live:
+            self.life.end_trial(keep=True, reason=trial.verdict.reason if trial.verdict else "kept")
         self.memory.kept(trial.trial_id, trial.rule.name, p.param, p.old, p.new)
         if after is not None:
             self.memory.set_baseline(signal_values(after, self.live), f"trial {trial.trial_id} kept")
+            self._probe_for_baseline(f"trial {trial.trial_id} kept")
         self.metrics.trials.labels(outcome="kept").inc()
         self._end()
 
@@ -463,12 +493,32 @@ class Tuner:
 
     # -- what the lifecycle says (TrialListener) ---------------------------------------------------
 
+    def _probe_for_baseline(self, why: str) -> None:
+        """The probe's figures join the baseline (the 30 % rule works from them where live load is not
+        comparable)."""
+        if self.prober is None or not self.config.probe.enabled:
+            return
+
+        def done(result: ProbeResult | None, _why: str | None) -> None:
+            if result is not None and not result.errors:
+                self.memory.set_baseline(result.signals(), f"probe: {why}", merge=True)
+
+        self.prober.request(f"baseline: {why}", done)
+
     def trial_serving(self, run: EngineRun, now: float) -> None:
+        if self.exploring:
+            assert self.explorer is not None
+            self.explorer.trial_serving(run, now)
+            return
         trial = self.trial
         if trial is not None and trial.phase is Phase.RESTARTING:
             self._enter(trial, Phase.WARMUP, now)
 
     def trial_failed(self, failure: EngineFailure) -> None:
+        if self.exploring:
+            assert self.explorer is not None
+            self.explorer.trial_failed(failure)
+            return
         trial = self.trial
         if trial is None:
             return
@@ -481,12 +531,21 @@ class Tuner:
             before=trial.before.as_dict(),
         )
         self._lost(trial, f"failed: {failure.kind}")
+        if self.recall is not None:
+            p = trial.proposal
+            self.recall.trial(
+                p.params, p.param, "failed", None, trial.before, f"its start failed: {failure.kind}"
+            )
         self.metrics.trials.labels(outcome="failed").inc()
         self.memory.count_restart()
         self._publish_phase()  # the revert the lifecycle starts at once
         self._enter(trial, Phase.REVERTING, self.life.monotonic())
 
     def trial_reverted(self, run: EngineRun | None, failure: EngineFailure | None) -> None:
+        if self.exploring:
+            assert self.explorer is not None
+            self.explorer.trial_reverted(run, failure)
+            return
         trial = self.trial
         if trial is None:
             return
@@ -498,6 +557,10 @@ class Tuner:
         self._end()
 
     def trial_aborted(self, reason: str) -> None:
+        if self.exploring:
+            assert self.explorer is not None
+            self.explorer.trial_aborted(reason)
+            return
         trial = self.trial
         if trial is None:
             return
@@ -506,9 +569,15 @@ class Tuner:
         self._end()
 
     def _maybe_record_baseline(self, now: float) -> None:
-        if self.memory.baseline:
+        """The first baseline: the probe's at once (it needs no live load), the live window's once
+        requests are served (an idle engine has no live figures worth comparing with)."""
+        baseline = self.memory.baseline
+        if "probe.throughput" not in baseline and not self._baseline_probed:
+            self._baseline_probed = True
+            self._probe_for_baseline("the first start")
+        if "throughput.generation" in baseline:
             return
         stats = self._window(now - self.config.tuning.window_s, now)
         if stats is None or not stats.completed_rate:
-            return  # an idle engine has no baseline worth comparing with
-        self.memory.set_baseline(signal_values(stats, self.live), "first window of serving")
+            return
+        self.memory.set_baseline(signal_values(stats, self.live), "first window of serving", merge=True)

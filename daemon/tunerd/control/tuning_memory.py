@@ -29,6 +29,9 @@ BASELINE_SIGNALS = (
     "ttft.p95",
     "itl.p95",
     "e2e.p95",
+    "probe.throughput",
+    "probe.ttft_p95",
+    "probe.itl_p95",
 )
 
 
@@ -114,11 +117,15 @@ class TuningMemory:
     def baseline(self) -> dict[str, float]:
         return self.state.baseline
 
-    def set_baseline(self, values: Mapping[str, float | None], why: str) -> None:
-        self.state.baseline = {k: float(v) for k in BASELINE_SIGNALS if (v := values.get(k)) is not None}
+    def set_baseline(self, values: Mapping[str, float | None], why: str, *, merge: bool = False) -> None:
+        """The baseline from `values` (those of BASELINE_SIGNALS); `merge` adds to the one recorded (the
+        probe's figures arrive after the window's)."""
+        figures = {k: float(v) for k in BASELINE_SIGNALS if (v := values.get(k)) is not None}
+        self.state.baseline = {**self.state.baseline, **figures} if merge else figures
         self.state.baseline_at = self.wall()
+        self.state.baseline_why = why if not merge else f"{self.state.baseline_why}; {why}"
         self.save()
-        self.rec.record("baseline.recorded", why=why, signals=self.state.baseline)
+        self.rec.record("baseline.recorded", why=why, signals=figures if merge else self.state.baseline)
 
     # -- pause ---------------------------------------------------------------------------------------
 

@@ -24,6 +24,8 @@ TUNABLE_PARAMS = (
     "enable_chunked_prefill",
     "enable_prefix_caching",
 )
+# Knobs that change on the running daemon, without a restart: the front door's in-flight cap.
+LIVE_PARAMS = ("door.max_in_flight",)
 
 
 class EngineParams(BaseModel):

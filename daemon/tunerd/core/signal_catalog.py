@@ -13,7 +13,8 @@ from dataclasses import dataclass
 class SignalSpec:
     """One published signal. `kind` says how it is computed over the window: `last` (latest poll),
     `avg`/`max`/`min` (over the window's readings), `rate` (counter increase per second), `ratio`
-    (increase of one counter over another's), `quantile` (from histogram bucket increases)."""
+    (increase of one counter over another's), `quantile` (from histogram bucket increases); `probe`
+    signals are the last probe's figures, not a window's."""
 
     name: str
     unit: str
@@ -28,6 +29,7 @@ _RUN = "vllm:num_requests_running, summed over engines"
 _WAIT = "vllm:num_requests_waiting, summed over engines"
 _MEM = "host.mem_available_bytes, host.mem_total_bytes (/proc/meminfo)"
 _AVAIL = "/proc/meminfo MemAvailable"
+_PROBE = "the benchmark probe (fixed cache-cold workload, observe/probe.py)"
 _PCIE = "gpu.pcie_tx_bytes_per_s + gpu.pcie_rx_bytes_per_s (NVML; None on unified memory: no PCIe link)"
 _LAT = (
     ("ttft", "vllm.ttft", "vllm:time_to_first_token_seconds"),
@@ -106,6 +108,18 @@ SIGNAL_TABLE: tuple[tuple[str, str, str, object, str, str], ...] = (
      "host↔GPU traffic, latest poll"),
     ("gpu.migration_bytes_per_s_avg", "bytes/s", "avg", "gpu.migration_bytes_per_s", _PCIE, "window mean"),
     ("gpu.unified_memory", "1/0", "last", "gpu.unified_memory", "NVML", "1: CPU and GPU share memory (GB10)"),
+    *(
+        (f"probe.{name}", unit, "probe", None, _PROBE, text)
+        for name, unit, text in (
+            ("throughput", "tokens/s", "generated tokens per second of the last probe (all its requests)"),
+            ("ttft_p50", "s", "median time to first token of the last probe's requests"),
+            ("ttft_p95", "s", "0.95 quantile of the last probe's times to first token"),
+            ("itl_p50", "s", "median gap between streamed tokens of the last probe"),
+            ("itl_p95", "s", "0.95 quantile of the last probe's gaps between streamed tokens"),
+            ("errors", "requests", "requests of the last probe that failed"),
+            ("age_s", "s", "seconds since the last probe finished"),
+        )
+    ),
 )
 # fmt: on
 SIGNALS: tuple[SignalSpec, ...] = tuple(SignalSpec(n, u, k, src, d) for n, u, k, _, src, d in SIGNAL_TABLE)

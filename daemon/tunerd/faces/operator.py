@@ -17,24 +17,13 @@ import socket
 import socketserver
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
+from tunerd.core.commands import COMMANDS, Command
 from tunerd.faces.http import QuietHandler
 
-COMMANDS = frozenset({"resume", "restart", "pause"})
 MAX_BODY = 64 * 1024
 SOCKET_MODE = 0o660
 _DIGITS = re.compile(r"[0-9]+")  # a Content-Length: no sign, no spaces
-
-
-@dataclass(frozen=True)
-class Command:
-    """An operator command for the loop: its name and its validated payload."""
-
-    name: str
-    params: dict[str, Any] = field(default_factory=dict)
-    reason: str | None = None
 
 
 class CommandError(ValueError):
@@ -80,7 +69,10 @@ def parse_command(name: str, content_length: str | None, read: Callable[[int], b
     reason = payload.get("reason")
     if reason is not None and not isinstance(reason, str):
         raise CommandError(400, '"reason" must be a string')
-    return Command(name, dict(params), reason)
+    names = payload.get("names") or []
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise CommandError(400, '"names" must be a list of parameter names')
+    return Command(name, dict(params), reason, tuple(names))
 
 
 class _UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):

@@ -92,8 +92,24 @@ def tuning_status(tuner: Tuner, now: float) -> dict[str, Any]:
         },
         "budget": {"hour_left": left.hour_left, "day_left": left.day_left},
         "baseline": tuner.memory.baseline,
+        "baseline_why": tuner.memory.state.baseline_why if tuner.memory.baseline else None,
+        "exploration": tuner.explorer.status(now) if tuner.explorer is not None else None,
+        "probe": _probe_view(tuner, now),
         "tabu": [e.model_dump() for e in tuner.memory.state.tabu if e.until > wall],
         "rules": [_rule_view(tuner, rule, now) for rule in tuner.rules],
+    }
+
+
+def _probe_view(tuner: Tuner, now: float) -> dict[str, Any] | None:
+    """The last probe's figures and age, and whether one runs now."""
+    prober = tuner.prober
+    if prober is None:
+        return None
+    last = prober.last
+    return {
+        "running": prober.running is not None,
+        "last": last.as_dict() if last is not None else None,
+        "age_s": round(now - prober.last_at, 1) if prober.last_at is not None else None,
     }
 
 

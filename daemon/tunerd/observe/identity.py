@@ -72,6 +72,7 @@ def probe_identity(run_id: int, base_url: str, model: str) -> EngineIdentity:
     gpu.close()
     facts["driver_version"] = info.driver_version
     facts["cuda_version"] = info.cuda_driver_version
+    facts["gpu_name"] = info.devices[0].name if info.devices else None  # the tuning memory's hardware key
     return EngineIdentity(run_id, facts)
 
 

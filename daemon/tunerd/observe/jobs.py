@@ -6,16 +6,21 @@ as a whole (an atomic reference swap), and put their results on the event queue.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import httpx
 import structlog
+from apscheduler.jobstores.base import JobLookupError
 from apscheduler.schedulers.background import BackgroundScheduler
+from apscheduler.triggers.cron import CronTrigger
+from apscheduler.triggers.interval import IntervalTrigger
 
 from tunerd.config import Config, TimeoutsConfig
 from tunerd.observe.gpu import GpuCollector
@@ -26,6 +31,15 @@ from tunerd.observe.poller import Poller
 log = structlog.get_logger("tunerd")
 
 WAKE = "wake"  # event: a submitted job finished (the loop only wakes up and steps)
+
+
+@dataclass(frozen=True)
+class Due:
+    """Event: scheduled work is due (`what`: "probe", "cache_reset"); the loop decides whether it runs."""
+
+    what: str
+
+
 T = TypeVar("T")
 
 STARTING_PROBE_S = 0.25  # real vLLM refuses connections until it serves; then /health is 200 at once
@@ -119,6 +133,27 @@ class ObserveJobs:
                 self.events.put(result)
 
         self._scheduler.add_job(run)
+
+    def schedule(self, what: str, *, interval_s: float | None = None, cron: str | None = None) -> None:
+        """Post `Due(what)` at the crontab times `cron` (local time), else every `interval_s`; neither:
+        never. Replaces the schedule `what` had (a config reload)."""
+        if cron is not None:
+            trigger: Any = CronTrigger.from_crontab(cron)
+        elif interval_s is not None:
+            trigger = IntervalTrigger(seconds=interval_s)
+        else:
+            with contextlib.suppress(JobLookupError):
+                self._scheduler.remove_job(f"due-{what}")
+            return
+        event = Due(what)
+        self._scheduler.add_job(
+            lambda: self.events.put(event),
+            trigger,
+            id=f"due-{what}",
+            max_instances=1,
+            coalesce=True,
+            replace_existing=True,
+        )
 
     def submit(self, job: Callable[[], T]) -> Future[T]:
         """Run `job` in a worker thread now; the returned future holds its result (or exception). The

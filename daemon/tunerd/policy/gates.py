@@ -51,6 +51,18 @@ def window_open(windows: Sequence[MaintenanceWindow], now: datetime) -> bool:
     return False
 
 
+def window_opened_at(windows: Sequence[MaintenanceWindow], now: datetime) -> float | None:
+    """When the maintenance window that `now` lies in opened (epoch seconds), or None outside all."""
+    from apscheduler.triggers.cron import CronTrigger
+
+    for window in windows:
+        trigger = CronTrigger.from_crontab(window.cron, timezone=now.tzinfo)
+        opened = trigger.get_next_fire_time(None, now - timedelta(seconds=window.duration_s))
+        if opened is not None and opened <= now:
+            return opened.timestamp()
+    return None
+
+
 def why_not_act(
     *,
     tuning: TuningConfig,

@@ -59,15 +59,22 @@ REGISTRY: dict[str, Tunable] = {
 }
 
 
+# Knobs that change without a restart (core.params.LIVE_PARAMS). The door's cap: at most max_num_seqs
+# matters (vLLM runs no more at once), at least one request.
+LIVE: dict[str, Tunable] = {"door.max_in_flight": Tunable("door.max_in_flight", True, 1, 1024)}
+
+
 @dataclass(frozen=True)
 class Proposal:
-    """One change: `param` from `old` to `new`; `params` is the whole set with it applied."""
+    """One change: `param` from `old` to `new`; `params` is the whole set with it applied (unchanged
+    for a `live` knob, which changes on the running daemon: no restart)."""
 
     param: str
     old: Value | None
     new: Value
     params: EngineParams
     notes: tuple[str, ...] = ()
+    live: bool = False
 
 
 @dataclass(frozen=True)
@@ -136,6 +143,37 @@ def propose(
     if problem := _cross_check(changed, backend):
         return NoProposal(f"{name}={new}: {problem}")
     return Proposal(name, old, new, changed, tuple(notes))
+
+
+def propose_live(
+    action: StepAction,
+    params: EngineParams,
+    current: Value | None,
+    *,
+    backend: Backend,
+    bounds: Mapping[str, tuple[float, float]] | None = None,
+    tabu: Mapping[tuple[str, Value], str] | None = None,
+) -> Proposal | NoProposal:
+    """The one change `action` asks of a live knob whose value is `current` (None: no cap, which
+    behaves as max_num_seqs: vLLM runs no more at once), within its bounds and max_num_seqs."""
+    name, notes = action.param, []
+    tunable = LIVE[name]
+    seqs = params.max_num_seqs or REGISTRY["max_num_seqs"].default(backend) or tunable.high
+    low, high = bounds_of(tunable, bounds or {}, backend, False, 1.0)
+    high = min(high, float(seqs))
+    old = current  # None (no cap) is what a revert restores
+    if current is None:
+        current = int(seqs)
+        notes.append(f"{name} is not set: stepping from max_num_seqs {current} (vLLM runs no more at once)")
+    new = _step(tunable, action, current, backend, low, high)
+    if new is None or new == current:
+        return NoProposal(
+            f"{name} {current} is at its {'lower' if action.direction == 'down' else 'upper'} bound"
+        )
+    why_tabu = (tabu or {}).get((name, new))
+    if why_tabu is not None:
+        return NoProposal(f"the next value {name}={new} is tabu: {why_tabu}")
+    return Proposal(name, old, new, params, tuple(notes), live=True)
 
 
 def _as_share(action: StepAction, utilization: Value | None) -> StepAction:

@@ -66,6 +66,7 @@ class TuningState(BaseModel):
     kept: list[KeptChange] = Field(default_factory=list)
     baseline: dict[str, float] = Field(default_factory=dict)
     baseline_at: float | None = None
+    baseline_why: str | None = None
     losses: dict[str, int] = Field(default_factory=dict)
     muted: dict[str, tuple[float, str]] = Field(default_factory=dict)  # rule → (until, why)
 
@@ -91,6 +92,9 @@ class DaemonState(BaseModel):
     # this command's vLLM turned out not to know (`dropped_flags`).
     capabilities: dict[str, Any] | None = None
     tuning: TuningState = Field(default_factory=TuningState)
+    # The front door's in-flight cap set on the running daemon (a kept trial, `tunerd door`); None:
+    # [door] max_in_flight of the config.
+    door_max_in_flight: int | None = None
 
 
 class StateStore:

@@ -1,0 +1,244 @@
+"""`tunerd probe` and `tunerd explore`: the benchmark probe and the exploration, for operators.
+
+Both ask the running daemon over the operator socket, then read the journal for what it did: the
+probe's `probe.result` (or why it did not run), the exploration's plan (`explore.started`), each point
+(`explore.point`, and the restart before it) and its end (`explore.finished`). A request carries a
+token as its reason, so the records that answer it are told from any others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from tunerd.records.journal import Record
+
+PROBE_EXTRA_S = 60.0  # beyond the probe's own bound: the queue of a probe already running, the journal
+
+
+def add_commands(sub: Any, config_option: Callable[[argparse.ArgumentParser], None]) -> None:
+    probe = sub.add_parser(
+        "probe", help="run the benchmark probe on the running daemon now, print its figures"
+    )
+    config_option(probe)
+    probe.add_argument("--baseline", action="store_true", help="and compare them with the baseline")
+    probe.add_argument("--json", action="store_true", help="the probe.result record as JSON")
+    probe.set_defaults(func=cmd_probe)
+
+    explore = sub.add_parser(
+        "explore", help="search better values of parameters (coordinate search, the probe as objective)"
+    )
+    config_option(explore)
+    explore.add_argument("params", help="PARAM[,PARAM…], e.g. max_num_seqs,block_size")
+    explore.add_argument("--no-follow", action="store_true", help="start it and return (tunerd journal -f)")
+    explore.set_defaults(func=cmd_explore)
+
+
+def _token(command: str) -> str:
+    return f"operator {command} {os.getpid()}-{time.time_ns()}"
+
+
+def _post(args: argparse.Namespace, path: str, body: dict[str, Any]) -> tuple[int, str] | int:
+    """(0, journal path) when the daemon accepted, else an exit code after printing why."""
+    from tunerd.cli.main import _ask_daemon, _journal_path
+    from tunerd.config import default_config_path
+
+    journal = _journal_path(args.config or default_config_path())
+    answer = _ask_daemon(args, "POST", path, body)
+    if isinstance(answer, int):
+        return answer
+    code, document = answer
+    if code != 202:
+        error = document.get("error") if isinstance(document, dict) else document
+        print(f"tunerd {path.strip('/')}: the daemon refused: {error}", file=sys.stderr)
+        return 1
+    return 0, journal
+
+
+def _records_until(path: str, offset: int, deadline: float) -> Iterator[Record]:
+    from tunerd.cli.journal import tail_records
+
+    yield from tail_records(path, offset=offset, keep_going=lambda: time.monotonic() < deadline)
+
+
+# -- tunerd probe --------------------------------------------------------------------------------------
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    from tunerd.cli.journal import journal_size
+    from tunerd.cli.main import _ask_daemon, _load_or_report
+    from tunerd.cli.status import probe_line
+    from tunerd.config import default_config_path
+
+    config = _load_or_report(args.config or default_config_path())
+    if config is None:
+        return 78
+    token = _token("probe")
+    journal = str(config.paths.journal_path)
+    offset = journal_size(journal)
+    posted = _post(args, "/probe", {"reason": token})
+    if isinstance(posted, int):
+        return posted
+    cfg = config.probe
+    rounds = math.ceil(cfg.requests / cfg.concurrency)
+    bound = cfg.timeout_s * rounds + PROBE_EXTRA_S
+    if not args.json:
+        print(
+            f"probe: {cfg.requests} requests of {cfg.prompt_tokens} cache-cold prompt tokens → "
+            f"{cfg.max_tokens} tokens, {cfg.concurrency} at a time; waiting for its figures…",
+            file=sys.stderr,
+        )
+    for record in _records_until(journal, offset, time.monotonic() + bound):
+        if token not in (record.get("triggers") or [record.get("trigger")]):
+            continue
+        if record.get("event") == "probe.skipped":
+            print(f"tunerd probe: it did not run: {record.get('reason')}", file=sys.stderr)
+            return 1
+        if record.get("event") != "probe.result":
+            continue
+        if args.json:
+            print(json.dumps(record))
+        else:
+            print(probe_line(record))
+        if args.baseline:
+            answer = _ask_daemon(args, "GET", "/status", lenient=True)
+            document = answer[1] if not isinstance(answer, int) else {}
+            baseline = (
+                ((document or {}).get("tuning") or {}).get("baseline") if isinstance(document, dict) else None
+            )
+            print(compare_with_baseline(record, baseline or {}))
+        return 0 if not record.get("errors") else 1
+    print(f"tunerd probe: no result within {bound:.0f} s; see `tunerd journal`", file=sys.stderr)
+    return 1
+
+
+BASELINE_FIGURES = (
+    ("throughput", "probe.throughput", "tok/s", 1.0),
+    ("ttft_p95", "probe.ttft_p95", "ms", 1000.0),
+    ("itl_p95", "probe.itl_p95", "ms", 1000.0),
+)
+
+
+def compare_with_baseline(result: Record, baseline: dict[str, Any]) -> str:
+    """The probe's figures against the baseline's probe figures, as ratios (1.00: unchanged)."""
+    if not any(key in baseline for _, key, _, _ in BASELINE_FIGURES):
+        return "baseline: none with probe figures yet (recorded at the first start and after each kept trial)"
+    parts = []
+    for field, key, unit, scale in BASELINE_FIGURES:
+        now, then = result.get(field), baseline.get(key)
+        if now is None or then is None:
+            parts.append(f"{field} ? (baseline {then})")
+        elif then == 0:
+            parts.append(f"{field} {now * scale:.1f} {unit} (baseline 0)")
+        else:
+            parts.append(
+                f"{field} {now * scale:.1f} {unit} = {now / then:.2f}× the baseline's {then * scale:.1f}"
+            )
+    return "against the baseline: " + "; ".join(parts)
+
+
+# -- tunerd explore ------------------------------------------------------------------------------------
+
+
+def cmd_explore(args: argparse.Namespace) -> int:
+    from tunerd.cli.journal import journal_size
+    from tunerd.cli.main import _load_or_report
+    from tunerd.config import default_config_path
+
+    names = [name.strip() for name in args.params.split(",") if name.strip()]
+    if not names:
+        print("tunerd explore: name at least one parameter, e.g. max_num_seqs", file=sys.stderr)
+        return 64
+    config = _load_or_report(args.config or default_config_path())
+    if config is None:
+        return 78
+    token = _token("explore")
+    journal = str(config.paths.journal_path)
+    offset = journal_size(journal)
+    posted = _post(args, "/explore", {"names": names, "reason": token})
+    if isinstance(posted, int):
+        return posted
+    if args.no_follow:
+        print("exploration requested; follow it with `tunerd journal -f`")
+        return 0
+    print(f"exploration of {', '.join(names)} requested; measuring the configuration in force first…")
+    explore_id: int | None = None
+    try:
+        for record in _records_until(journal, offset, math.inf):
+            line, explore_id, finished = explore_progress(record, token, explore_id)
+            if line:
+                print(line, flush=True)
+            if finished is not None:
+                return finished
+    except KeyboardInterrupt:
+        print("\nthe exploration goes on in the daemon; follow it with `tunerd journal -f`", file=sys.stderr)
+        return 130
+    return 1
+
+
+def explore_progress(
+    record: Record, token: str, explore_id: int | None
+) -> tuple[str | None, int | None, int | None]:
+    """One journal record seen by `tunerd explore`: (a line to print or None, the exploration's id once
+    known, the exit code once it is over or refused, else None)."""
+    event = record.get("event")
+    if event == "explore.refused" and record.get("trigger") == token:
+        return f"the daemon refused: {record.get('reason')}", explore_id, 1
+    if event == "explore.started" and record.get("trigger") == token:
+        return _plan(record), record.get("explore"), None
+    if event == "explore.finished" and record.get("trigger") == token:
+        return _finished(record), record.get("explore"), 0
+    if explore_id is None or record.get("explore", record.get("trial")) != explore_id:
+        return None, explore_id, None
+    if event == "intent":
+        return f"  restart: {record.get('reason')}", explore_id, None
+    if event == "explore.point":
+        return _point(record), explore_id, None
+    if event == "explore.budget_spent":
+        return "  the restart budget is spent: going to the best point", explore_id, None
+    return None, explore_id, None
+
+
+def _plan(record: Record) -> str:
+    objective = record.get("objective")
+    lines = [
+        f"exploration {record.get('explore')}: the configuration in force measures "
+        f"{_rate(objective)} (the probe's generation throughput)"
+    ]
+    if record.get("recall"):
+        lines.append(f"  trying the tuning memory's best configuration: {record['recall']}")
+    for name, values in (record.get("ladders") or {}).items():
+        lines.append(f"  {name}: values {', '.join(str(v) for v in values)}")
+    lines.append(
+        f"  at most {record.get('at_most_restarts')} restarts; restart budget left "
+        f"{record.get('budget_left')}; {record.get('known_points', 0)} points known from the tuning memory"
+    )
+    return "\n".join(lines)
+
+
+def _point(record: Record) -> str:
+    if "recall" in record:
+        verdict = "kept" if record.get("kept") else "lost"
+        return f"  recalled configuration: {_rate(record.get('objective'))} ({verdict})"
+    return (
+        f"  {record.get('param')} = {record.get('value')}: {_rate(record.get('objective'))}; "
+        f"best so far {record.get('best')}"
+    )
+
+
+def _finished(record: Record) -> str:
+    return (
+        f"exploration {record.get('explore')} finished ({record.get('reason')}): best "
+        f"{record.get('best')} at {_rate(record.get('objective'))}; {record.get('points')} points measured, "
+        f"{record.get('restarts')} restarts"
+    )
+
+
+def _rate(value: Any) -> str:
+    return "infeasible (failed or over a latency limit)" if value is None else f"{value:.1f} tok/s"

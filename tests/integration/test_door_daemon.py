@@ -1,0 +1,154 @@
+"""The front door in the real daemon, in front of the fake vLLM, under a steady load of clients that call
+the door's port: across a planned restart (`tunerd restart --set`) no request fails and every answer is
+whole, and the journal shows the drain, the restart and the release; a killed engine core loses no
+non-streaming request (held or replayed); the in-flight cap changes on the running daemon
+(`tunerd door --max-in-flight`) without a restart and without dropping a request.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from tests.harness import Daemon, free_port, running_daemon, wait_until
+from tests.integration.conftest import fake_sections
+from tests.integration.test_observe import control
+from tests.load import ClosedLoopLoad
+
+SHIPPED_KV_RULE = """
+[[rule]]
+name = "kv-cache-pressure"
+all = ["kv_cache.usage_avg > 0.90", "preemptions.rate > 0"]
+for_s = 2
+cooldown_s = 60
+[rule.action]
+kind = "step"
+param = "door.max_in_flight"
+then = ["max_num_seqs"]
+direction = "down"
+factor = 0.5
+"""
+
+
+def door_sections(workdir: Path, **door: Any) -> dict:
+    (workdir / "rules.toml").write_text("")
+    return fake_sections(
+        workdir,
+        door={"enabled": True, "port": free_port(), "hold_timeout_s": 60.0, "drain_timeout_s": 20.0, **door},
+        engine__params={"max_model_len": 512, "kv_cache_memory_bytes": 1_000_000, "block_size": 32,
+                        "max_num_seqs": 16},
+        probe={"enabled": False},
+    )  # fmt: skip
+
+
+def door_url(sections: dict) -> str:
+    return f"http://127.0.0.1:{sections['door']['port']}"
+
+
+def tunerd(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tunerd", *args, "--config", str(daemon.config_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def completed(load: ClosedLoopLoad) -> int:
+    return load.stats.ok
+
+
+def test_a_planned_restart_under_load_loses_no_request(workdir: Path) -> None:
+    sections = door_sections(workdir)
+    with running_daemon(workdir, sections) as daemon:
+        first = daemon.wait_state("RUNNING")
+        with ClosedLoopLoad(door_url(sections), "model", clients=8, max_tokens=40) as load:
+            wait_until(lambda: completed(load) >= 20, 60, "requests answered through the door")
+            assert tunerd(daemon, "restart", "--set", "max_num_seqs=8").returncode == 0
+            drained = daemon.wait_event("door.drained", timeout=60)
+            ready = daemon.wait_event("engine.ready", after_seq=drained["seq"], timeout=60)
+            released = daemon.wait_event("door.released", after_seq=ready["seq"] - 1, timeout=60)
+            before = completed(load)
+            wait_until(lambda: completed(load) >= before + 20, 60, "requests answered after the restart")
+        assert load.stats.errors == [], load.stats.errors[:5]
+        assert drained["ended"] == "idle" and drained["cut"] == 0
+        stopped = daemon.wait_event("engine.stopped", after_seq=drained["seq"] - 1)
+        assert stopped["pid"] == first["engine"]["pid"] and stopped["seq"] > drained["seq"]
+        assert released["waiting"] >= 1  # clients kept sending while vLLM restarted: they were held
+        assert daemon.metric("tunerd_door_requests_total", outcome="held") >= released["waiting"]
+        assert daemon.status()["engine"]["params"]["max_num_seqs"] == 8
+
+
+def test_a_killed_engine_core_loses_no_plain_request(workdir: Path) -> None:
+    sections = door_sections(workdir)
+    with running_daemon(workdir, sections) as daemon:
+        status = daemon.wait_state("RUNNING")
+        with ClosedLoopLoad(door_url(sections), "model", clients=8, max_tokens=60) as load:
+            wait_until(lambda: completed(load) >= 20, 60, "requests answered through the door")
+            (core,) = [
+                p
+                for p in psutil.Process(status["engine"]["pid"]).children()
+                if "EngineCore" in " ".join(p.cmdline())
+            ]
+            core.kill()
+            failed = daemon.wait_event("engine.failed", timeout=60)
+            ready = daemon.wait_event("engine.ready", after_seq=failed["seq"], timeout=60)
+            before = completed(load)
+            wait_until(lambda: completed(load) >= before + 20, 60, "requests answered after the crash")
+        assert load.stats.errors == [], load.stats.errors[:5]
+        assert ready["pid"] != status["engine"]["pid"]
+        assert daemon.metric("tunerd_door_requests_total", outcome="replayed") >= 1
+
+
+def test_the_in_flight_cap_changes_on_the_running_daemon_without_a_restart(workdir: Path) -> None:
+    sections = door_sections(workdir)
+    with running_daemon(workdir, sections) as daemon:
+        status = daemon.wait_state("RUNNING")
+        with ClosedLoopLoad(door_url(sections), "model", clients=6, max_tokens=40) as load:
+            wait_until(lambda: completed(load) >= 10, 60, "requests answered")
+            changed = tunerd(daemon, "door", "--max-in-flight", "2")
+            assert changed.returncode == 0, changed.stderr
+            wait_until(lambda: daemon.metric("tunerd_door_max_in_flight") == 2, 10, "the cap in force")
+            wait_until(lambda: (daemon.status().get("door") or {}).get("queued", 0) >= 1, 30, "requests wait")
+            assert daemon.status()["door"]["in_flight"] <= 2
+            before = completed(load)
+            wait_until(lambda: completed(load) >= before + 10, 60, "requests answered under the cap")
+        assert load.stats.errors == []
+        assert daemon.status()["engine"]["pid"] == status["engine"]["pid"]  # no restart
+        record = daemon.wait_event("door.max_in_flight")
+        assert (record["old"], record["new"]) == (None, 2)
+        shown = tunerd(daemon, "door")
+        assert "max_in_flight 2" in shown.stdout
+        assert '"door_max_in_flight": 2' in (daemon.state_dir / "state.json").read_text()
+
+
+def test_the_kv_rule_first_lowers_the_doors_cap_without_a_restart(workdir: Path) -> None:
+    ctl = workdir / "control.json"
+    control(ctl, running=8, waiting=4, kv_cache_usage=0.95, tokens_per_s=300, preemptions_per_s=2)
+    sections = door_sections(workdir)
+    sections["engine.env"]["FAKE_VLLM_CONTROL"] = str(ctl)
+    sections["observe"] = {"poll_interval_s": 0.5, "window_s": 3.0}
+    sections["tuning"] = {"warmup_s": 1.0, "window_s": 4.0, "max_extend_s": 2.0, "min_serving_s": 0.0}
+    (workdir / "rules.toml").write_text(SHIPPED_KV_RULE)
+    with running_daemon(workdir, sections) as daemon:
+        status = daemon.wait_state("RUNNING")
+        started = daemon.wait_event("trial.started", timeout=60)
+        assert (started["param"], started["old"], started["new"], started["restart"]) == (
+            "door.max_in_flight",
+            None,
+            8,
+            False,
+        )
+        capped = daemon.wait_event("door.max_in_flight", after_seq=started["seq"])
+        assert capped["new"] == 8
+        wait_until(lambda: daemon.metric("tunerd_door_max_in_flight") == 8, 10, "the cap in force")
+        decided = daemon.wait_event("trial.decided", after_seq=started["seq"], timeout=60)
+        assert decided["decision"] == "reverted"  # the fake's pressure does not follow the cap
+        back = daemon.wait_event("door.max_in_flight", after_seq=decided["seq"])
+        assert back["new"] is None
+        spawns = [r for r in daemon.records() if r["event"] == "engine.spawned"]
+        assert len(spawns) == 1 and daemon.status()["engine"]["pid"] == status["engine"]["pid"]

@@ -1,0 +1,153 @@
+"""The benchmark probe, the exploration and the off-peak cache reset in the real daemon, driving the fake
+vLLM: `tunerd probe`, the periodic probe skipped while busy, a wedge found by the probe, the cache reset
+retried while blocks are in use, `tunerd explore` and its second run from the tuning memory.
+
+The fake vLLM streams ~270 tokens/s per request, so the probe's throughput grows with the requests that
+run at once up to the probe's concurrency: an exploration of max_num_seqs has a real answer here.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.harness import Daemon, alive, running_daemon, wait_until
+from tests.integration.conftest import fake_sections
+from tests.integration.test_observe import control
+
+PROBE = {"prompt_tokens": 16, "max_tokens": 48, "requests": 4, "concurrency": 4, "timeout_s": 3.0}
+
+
+def probe_sections(workdir: Path, *, probe: dict[str, Any] | None = None, **overrides: Any) -> dict:
+    ctl = workdir / "control.json"
+    control(ctl)
+    (workdir / "rules.toml").write_text("")
+    sections = fake_sections(
+        workdir,
+        knobs={"FAKE_VLLM_CONTROL": str(ctl)},
+        probe={**PROBE, "interval_s": 0, **(probe or {})},
+        observe={"poll_interval_s": 0.5, "window_s": 2.0},
+        **overrides,
+    )
+    return sections
+
+
+def tunerd(daemon: Daemon, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tunerd", *args, "--config", str(daemon.config_path)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_tunerd_probe_prints_the_figures_of_a_cache_cold_run(workdir: Path) -> None:
+    with running_daemon(workdir, probe_sections(workdir)) as daemon:
+        daemon.wait_state("RUNNING")
+        first = tunerd(daemon, "probe")
+        assert first.returncode == 0, first.stderr
+        assert "tok/s" in first.stdout and "0 errors of 4 requests" in first.stdout
+        second = tunerd(daemon, "probe", "--json")
+        record = json.loads(second.stdout)
+        assert record["event"] == "probe.result" and record["tokens"] == 4 * 48 and record["throughput"] > 0
+        results = [r for r in daemon.records() if r["event"] == "probe.result"]
+        assert len(results) == 2 and results[0]["seed"] != results[1]["seed"]  # a new seed every probe
+        last = lambda: (daemon.status()["tuning"]["probe"]["last"] or {}).get("seed")  # noqa: E731
+        wait_until(lambda: last() == results[1]["seed"], 10, "the status shows the last probe")
+        shown = tunerd(daemon, "status")
+        assert "last probe" in shown.stdout
+
+
+def test_the_periodic_probe_is_skipped_while_busy_and_runs_when_idle(workdir: Path) -> None:
+    sections = probe_sections(workdir, probe={"interval_s": 1.0, "skip_when_running_above": 0.0})
+    with running_daemon(workdir, sections) as daemon:
+        daemon.wait_state("RUNNING")
+        control(workdir / "control.json", running=3)
+        skipped = daemon.wait_record(
+            lambda r: r["event"] == "probe.skipped" and "requests running" in r["reason"], timeout=30
+        )
+        assert skipped["trigger"] == "periodic health check" and "3 requests running" in skipped["reason"]
+        control(workdir / "control.json", running=0)
+        done = daemon.wait_event("probe.result", timeout=30, after_seq=skipped["seq"])
+        assert done["trigger"] == "periodic health check" and not done["errors"]
+
+
+def test_a_probe_that_gets_no_token_from_a_healthy_vllm_restarts_it_as_wedged(workdir: Path) -> None:
+    with running_daemon(workdir, probe_sections(workdir)) as daemon:
+        first = daemon.wait_state("RUNNING")
+        control(workdir / "control.json", wedged=True)  # /health stays 200, no token comes out
+        assert tunerd(daemon, "probe").returncode == 1
+        wedged = daemon.wait_event("guard.wedged", timeout=30)
+        assert "no token" in wedged["reason"] and wedged["pid"] == first["engine"]["pid"]
+        control(workdir / "control.json", wedged=False)
+        stopped = daemon.wait_event("engine.stopped", timeout=30, after_seq=wedged["seq"])
+        assert stopped["pid"] == first["engine"]["pid"]
+        daemon.wait_event("engine.ready", timeout=30, after_seq=stopped["seq"])
+        assert not alive(first["engine"]["pid"])
+
+
+def test_the_cache_reset_is_retried_while_blocks_are_in_use_and_journaled(workdir: Path) -> None:
+    sections = probe_sections(
+        workdir,
+        engine__env={"VLLM_SERVER_DEV_MODE": "1"},
+        cache_reset={"cron": "* * * * *", "retries": 5, "retry_after_s": 0.2},
+    )
+    with running_daemon(workdir, sections) as daemon:
+        daemon.wait_state("RUNNING")
+        control(workdir / "control.json", reset_in_use=2)
+        done = daemon.wait_event("cache_reset.done", timeout=90)  # the next whole minute
+        assert done["attempts"] == 3 and '"success": true' in done["detail"]
+        assert set(done["before"]) == {"kv_cache.usage", "host.mem_available_bytes", "prefix_cache.hit_ratio"}
+        assert done["after"]["host.mem_available_bytes"] is not None
+
+
+def test_the_cache_reset_is_refused_without_dev_mode_and_says_why(workdir: Path) -> None:
+    sections = probe_sections(workdir, cache_reset={"cron": "* * * * *"})
+    with running_daemon(workdir, sections) as daemon:
+        daemon.wait_state("RUNNING")
+        skipped = daemon.wait_event("cache_reset.skipped", timeout=90)
+        assert "VLLM_SERVER_DEV_MODE" in skipped["reason"]
+
+
+def test_tunerd_explore_prints_its_plan_and_progress_and_a_second_one_spends_fewer_restarts(
+    workdir: Path,
+) -> None:
+    sections = probe_sections(
+        workdir,
+        engine__params={"max_num_seqs": 1},
+        tuning={
+            "warmup_s": 0.5,
+            "restarts_per_hour": 50,
+            "restarts_per_day": 50,
+            "explore_tolerance": 0.15,
+            "bounds": {"max_num_seqs": [1, 8]},
+        },
+    )
+    with running_daemon(workdir, sections) as daemon:
+        daemon.wait_state("RUNNING")
+        first = tunerd(daemon, "explore", "max_num_seqs", timeout=300)
+        assert first.returncode == 0, first.stdout + first.stderr
+        assert "max_num_seqs: values 1, 2, 4, 8" in first.stdout
+        assert "restart: exploration" in first.stdout and "finished (done)" in first.stdout
+        finished = [r for r in daemon.records() if r["event"] == "explore.finished"]
+        best = finished[-1]["best"]["max_num_seqs"]
+        assert best >= 4  # the probe runs 4 at a time: fewer sequences are slower, more are not faster
+        assert daemon.status()["engine"]["params"]["max_num_seqs"] == best
+        assert daemon.status()["engine"]["known_good"]["max_num_seqs"] == best
+        second = tunerd(daemon, "explore", "max_num_seqs", timeout=300)
+        assert second.returncode == 0, second.stdout + second.stderr
+        finished = [r for r in daemon.records() if r["event"] == "explore.finished"]
+        assert finished[-1]["restarts"] < finished[-2]["restarts"]
+        memory = tunerd(daemon, "memory", "show")
+        assert memory.returncode == 0 and "max_num_seqs" in memory.stdout
+
+
+def test_tunerd_explore_of_an_unknown_parameter_is_refused(workdir: Path) -> None:
+    with running_daemon(workdir, probe_sections(workdir)) as daemon:
+        daemon.wait_state("RUNNING")
+        refused = tunerd(daemon, "explore", "max_seqs")
+        assert refused.returncode == 1 and "unknown: max_seqs" in refused.stderr
+        wait_until(lambda: daemon.status()["tuning"]["exploration"] is None, 5, "no exploration")

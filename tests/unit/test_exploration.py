@@ -1,0 +1,317 @@
+"""The probe's scheduling, exploration and the tuning memory in-process: a real Lifecycle, Tuner, Prober
+and Explorer over fake processes and a fake clock. The probe's figures come from a synthetic landscape
+of the max_num_seqs in force (a peak at 8), so each story runs in milliseconds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tests.unit.fakes import make_rig
+from tests.unit.test_tuner import Perf, SimEngine, TunerRig, _wall
+from tunerd.config import ProbeConfig
+from tunerd.control.cache_reset import CacheReset
+from tunerd.control.capacity import PlanOutcome
+from tunerd.control.preflight import run_here
+from tunerd.control.prober import Prober
+from tunerd.control.recall import Recall
+from tunerd.control.tuner import Tuner
+from tunerd.core.states import EngineState
+from tunerd.observe.engine_admin import CacheResetResult
+from tunerd.observe.probe import ProbeResult
+from tunerd.observe.signals import SignalWindow
+from tunerd.records.experience import Experience, ExperienceKey, experience_path
+from tunerd.records.state import DaemonState
+
+IDENTITY = {
+    "vllm_version": "0.32.0",
+    "model": {"path": "/models/tiny", "fingerprint": "2bf7696420e6144d"},
+    "driver_version": None,
+    "cuda_version": None,
+    "gpu_name": None,
+}
+PROBE_KEY = ExperienceKey("2bf7696420e6144d", "cpu", "0.32.0", "prompt~128 output~128 concurrency~4")
+
+
+def peak_at_8(seqs: int) -> float:
+    """Probe tokens/s: unimodal in log2(max_num_seqs), 1200 at 8; 4 and 16 give 935, 6 and 11 ~1150
+    (within the tolerance of 8's), 32 gives 441."""
+    return 1200.0 * math.exp(-((math.log2(seqs) - 3) ** 2) / 4)
+
+
+class Landscape(dict[int, Perf]):
+    """The live /metrics of any max_num_seqs (the rules stay quiet: no rule is loaded here)."""
+
+    def __missing__(self, seqs: int) -> Perf:
+        return Perf(peak_at_8(seqs), 0.0, 0.5)
+
+
+@dataclass
+class ProbeSim:
+    """Stands in for observe.probe.run_probe: figures from the landscape of the run probed."""
+
+    sim: ExploreRig | None = None
+    wedged: bool = False
+    calls: int = 0
+
+    def __call__(self, run_id: int, base_url: str, model: str, cfg: ProbeConfig, **_: Any) -> ProbeResult:
+        self.calls += 1
+        assert self.sim is not None
+        run = self.sim.rig.lifecycle.engine.run
+        assert run is not None and run.run_id == run_id
+        tokens = 0 if self.wedged else cfg.requests * cfg.max_tokens
+        rate = peak_at_8(run.params.max_num_seqs or 256) if tokens else None
+        seconds = tokens / rate if rate else cfg.timeout_s
+        errors = tuple("timeout" for _ in range(cfg.requests)) if self.wedged else ()
+        return ProbeResult(
+            run_id, self.calls, "2026-12-01T12:00:00Z", seconds, cfg.requests, cfg.requests - len(errors),
+            errors, tokens, rate, 0.05, 0.08, 0.01, 0.012, cfg.prompt_tokens, cfg.max_tokens, cfg.concurrency,
+        )  # fmt: skip
+
+
+@dataclass
+class ExploreRig(TunerRig):
+    prober: Prober | None = None
+    probe: ProbeSim | None = None
+    fail_starts: frozenset[int] = frozenset()  # max_num_seqs values whose start fails
+
+    def tick(self, seconds: float = 1.0) -> None:
+        assert self.prober is not None
+        self.prober.step(self.rig.now)  # the loop's order: a finished probe's callbacks may restart
+        life = self.rig.lifecycle
+        run = life.engine.run
+        starting = life.engine.state is EngineState.STARTING and run is not None
+        if starting and run.params.max_num_seqs in self.fail_starts and self.rig.os.alive(run.pid):
+            self.rig.os.exit(run.pid, 1)  # its start fails: vLLM exits by itself
+        pending = life.pending.params if life.pending is not None else run.params if run else None
+        self.answer_health = pending is None or pending.max_num_seqs not in self.fail_starts
+        super().tick(seconds)
+
+    def explored(self) -> list[dict[str, Any]]:
+        return self.rig.records("explore.finished")
+
+    def explore(self, *names: str) -> dict[str, Any]:
+        done = len(self.explored())
+        assert self.tuner.explore(list(names), "test") is None
+        self.run_until(lambda: len(self.explored()) > done)
+        return self.explored()[-1]
+
+
+def make_explorer(
+    tmp_path: Path, *, seqs: int = 32, memory: Experience | None = None, **tuning: Any
+) -> ExploreRig:
+    overrides: dict[str, Any] = {
+        "engine": {"params": {"max_num_seqs": seqs}},
+        "observe": {"window_s": 20.0},
+        "tuning": {"warmup_s": 5.0, "window_s": 30.0, "min_serving_s": 0.0, "restarts_per_hour": 100,
+                   "restarts_per_day": 100, "bounds": {"max_num_seqs": [1, 64]}, **tuning},
+        "probe": {"interval_s": 0, "requests": 8, "concurrency": 4},
+        "backoff": {"known_good_after_s": 5.0},
+    }  # fmt: skip
+    rig = make_rig(tmp_path, overrides, dstate=DaemonState())
+    rig.lifecycle.capacity.check = lambda params: PlanOutcome(None, {"band": "fine"})  # type: ignore[method-assign]
+    experience = memory or Experience(experience_path(rig.config.paths.state_dir))
+    recall = Recall(experience, rig.lifecycle, lambda: rig.config, recorder=rig.recorder,
+                    wallclock=lambda: _wall(rig))  # fmt: skip
+    probe = ProbeSim()
+    prober = Prober(rig.config, rig.lifecycle, recorder=rig.recorder, submit=run_here, vocab=lambda: 1000,
+                    monotonic=rig.clock, recall=recall, run=probe)  # fmt: skip
+    tuner = Tuner(
+        rig.config, None, rig.lifecycle, recorder=rig.recorder, dstate=rig.dstate,
+        save_state=rig.lifecycle.save_state, metrics=rig.metrics, submit=run_here,
+        wallclock=lambda: _wall(rig), prober=prober, recall=recall,
+    )  # fmt: skip
+    sim = ExploreRig(rig, tuner, SimEngine(Landscape()), SignalWindow(20.0), prober=prober, probe=probe)
+    probe.sim = sim
+    rig.serve()
+    rig.dstate.identity = dict(IDENTITY)  # what the identity job finds once vLLM serves
+    tuner.on_identity()
+    sim.run_for(10)
+    return sim
+
+
+# -- exploration -----------------------------------------------------------------------------------------
+
+
+def test_an_exploration_finds_the_peak_and_makes_it_last_known_good(tmp_path: Path) -> None:
+    sim = make_explorer(tmp_path)
+    finished = sim.explore("max_num_seqs")
+    started = sim.rig.last("explore.started")
+    assert started["ladders"]["max_num_seqs"] == [1, 2, 4, 8, 16, 32, 64]
+    assert started["objective"] == peak_at_8(32)
+    assert finished["best"] == {"max_num_seqs": 8} and finished["reason"] == "done"
+    assert sim.params().max_num_seqs == 8 and sim.rig.lifecycle.known_good == sim.params()
+    points = [(p["value"], p["objective"]) for p in sim.rig.records("explore.point")]
+    # Up from 32 (worse), down while it improves (16, 8), past the peak (4), then the midpoints around 8.
+    assert [v for v, _ in points] == [64, 16, 8, 4, 11, 6]
+    # One restart per point and one to go back to the best: fewer than a sweep of the 7 ladder values
+    # plus the 2 midpoints, and within the plan's bound.
+    trial_intents = [i for i in sim.rig.intents("trial") if i["trial"] == started["explore"]]
+    assert finished["restarts"] == len(trial_intents) == len(points) + 1 == 7
+    assert finished["restarts"] <= started["at_most_restarts"]
+    assert sim.tuner.exploring is False and sim.rig.lifecycle.hold_promotion is False
+
+
+def test_points_are_not_promoted_while_the_exploration_runs(tmp_path: Path) -> None:
+    sim = make_explorer(tmp_path, warmup_s=10.0)
+    before = sim.rig.lifecycle.known_good
+    assert sim.tuner.explore(["max_num_seqs"], "test") is None
+    served_long = False
+    while sim.tuner.exploring:  # points serve past known_good_after_s (5 s) between restarts
+        sim.tick()
+        run = sim.rig.lifecycle.engine.run
+        served_long |= run is not None and run.uptime(sim.now) > 5.0 and run.params != before
+        if sim.tuner.exploring:
+            assert sim.rig.lifecycle.known_good == before
+    assert served_long
+    assert sim.rig.lifecycle.known_good.max_num_seqs == 8  # promoted once, at the end
+
+
+def test_a_second_exploration_under_the_same_load_spends_fewer_restarts(tmp_path: Path) -> None:
+    sim = make_explorer(tmp_path)
+    first = sim.explore("max_num_seqs")
+    second = sim.explore("max_num_seqs")
+    assert first["restarts"] == 7
+    assert second["restarts"] == 0 and second["best"] == {"max_num_seqs": 8}
+    assert sim.rig.last("explore.started")["known_points"] >= 6  # every point the first one measured
+    assert sim.params().max_num_seqs == 8
+
+
+def test_a_new_deployment_with_the_memory_skips_what_it_knows(tmp_path: Path) -> None:
+    first = make_explorer(tmp_path / "a")
+    first.explore("max_num_seqs")
+    exported = tmp_path / "memory.json"
+    first.tuner.recall.experience.export(exported)  # type: ignore[union-attr]
+    # Another box of the same kind, the same model: the memory imported, a fresh state file.
+    memory = Experience(tmp_path / "b-memory.json")
+    assert memory.import_(exported).added > 0
+    second = make_explorer(tmp_path / "b", memory=memory)
+    consulted = second.rig.last("memory.consulted")
+    assert consulted["best_known"] == {"max_num_seqs": 8}
+    # The best known configuration is the first proposal: tried against the one in force, and kept.
+    second.run_until(lambda: bool(second.explored()))
+    point = second.rig.last("explore.point")
+    assert point["kept"] is True and point["objective"] > point["objective_before"]
+    assert second.params().max_num_seqs == 8 and second.rig.lifecycle.known_good == second.params()
+    assert second.explored()[-1]["restarts"] == 1
+
+
+def test_a_recalled_configuration_that_loses_is_reverted_and_goes_tabu(tmp_path: Path) -> None:
+    memory = Experience(tmp_path / "memory.json")
+    # Measured elsewhere as best; here 64 is far worse than the 8 in force.
+    memory.record(
+        PROBE_KEY, {"max_num_seqs": 64}, 5000.0, kind="probe", decision="measured", figures={}, at=1.0
+    )
+    sim = make_explorer(tmp_path, seqs=8, memory=memory)
+    sim.run_until(lambda: bool(sim.explored()))
+    assert sim.rig.last("explore.point")["kept"] is False
+    assert sim.rig.intents()[-1]["action"] == "revert"
+    assert sim.params().max_num_seqs == 8
+    assert ("max_num_seqs", 64) in {(e.param, e.value) for e in sim.rig.dstate.tuning.tabu}
+
+
+def test_a_point_whose_start_fails_is_infeasible_tabu_and_the_search_goes_on(tmp_path: Path) -> None:
+    sim = make_explorer(tmp_path)
+    sim.fail_starts = frozenset({16})
+    finished = sim.explore("max_num_seqs")
+    failed = [p for p in sim.rig.records("explore.point") if p["value"] == 16]
+    assert failed and failed[0]["objective"] is None and "failure" in failed[0]["probe"]
+    assert [i["action"] for i in sim.rig.intents()].count("revert") == 1  # back to 32 at once
+    assert ("max_num_seqs", 16) in {(e.param, e.value) for e in sim.rig.dstate.tuning.tabu}
+    # The step down failed; the shrunk step (the midpoint between 32 and 16) still improves.
+    assert [p["value"] for p in sim.rig.records("explore.point")] == [64, 16, 45, 23]
+    assert finished["best"] == {"max_num_seqs": 23} and sim.params().max_num_seqs == 23
+    bad = {(p, v) for p, v, _ in sim.tuner.recall.bad_values()}  # type: ignore[union-attr]
+    assert ("max_num_seqs", 16) in bad  # the memory knows it for the next start
+
+
+def test_known_bad_values_start_on_the_tabu_list_and_old_versions_become_hints(tmp_path: Path) -> None:
+    memory = Experience(tmp_path / "memory.json")
+    figures = {"param": "max_num_seqs", "reason": "its start failed"}
+    memory.record(
+        PROBE_KEY, {"max_num_seqs": 16}, None, kind="explore", decision="failed", figures=figures, at=1.0
+    )
+    old = ExperienceKey(PROBE_KEY.model, PROBE_KEY.hardware, "0.31.0", PROBE_KEY.workload)
+    memory.record(old, {"max_num_seqs": 4}, 900.0, kind="probe", decision="measured", figures={}, at=1.0)
+    sim = make_explorer(tmp_path, seqs=8, memory=memory)
+    assert ("max_num_seqs", 16) in {(e.param, e.value) for e in sim.rig.dstate.tuning.tabu}
+    assert sim.rig.last("memory.consulted")["tabu"][0]["value"] == 16
+    assert sim.rig.last("memory.unverified")["entries"] == 1
+    stale = [e for e in memory.entries() if e.key.vllm == "0.31.0"]
+    assert stale and not stale[0].verified
+
+
+def test_an_exploration_refused_while_paused_or_off(tmp_path: Path) -> None:
+    sim = make_explorer(tmp_path)
+    sim.tuner.pause()
+    assert sim.tuner.explore(["max_num_seqs"], "test") == "tuning is paused (tunerd resume)"
+    sim.tuner.resume()
+    assert sim.tuner.explore(["max_num_seqs"], "test") is None
+    assert sim.tuner.explore(["max_num_seqs"], "test") == "an exploration is running"
+
+
+# -- the probe's schedule ----------------------------------------------------------------------------------
+
+
+def test_the_periodic_probe_is_skipped_while_busy_and_during_an_exploration(tmp_path: Path) -> None:
+    sim = make_explorer(tmp_path)
+    prober = sim.prober
+    assert prober is not None and sim.probe is not None
+    calls = sim.probe.calls
+    prober.due("periodic", busy=3.0)
+    assert "3 requests running" in sim.rig.last("probe.skipped")["reason"]
+    assert sim.probe.calls == calls
+    prober.due("periodic", busy=0.0)
+    prober.step(sim.now)
+    assert sim.rig.last("probe.result")["trigger"] == "periodic" and sim.probe.calls == calls + 1
+    assert prober.signals(sim.now)["probe.throughput"] == peak_at_8(32)
+    assert sim.tuner.explore(["max_num_seqs"], "test") is None
+    sim.run_until(lambda: sim.rig.lifecycle.trial is not None)
+    prober.due("periodic", busy=0.0)
+    assert sim.rig.last("probe.skipped")["reason"] == "a trial or an exploration is running"
+
+
+def test_a_probe_without_tokens_from_a_healthy_engine_is_a_wedge_and_restarts_it(tmp_path: Path) -> None:
+    sim = make_explorer(tmp_path)
+    assert sim.prober is not None and sim.probe is not None
+    old = sim.rig.run
+    sim.probe.wedged = True
+    sim.prober.due("periodic", busy=0.0)
+    sim.prober.step(sim.now)
+    wedged = sim.rig.last("guard.wedged")
+    assert "no token" in wedged["reason"] and wedged["pid"] == old.pid
+    sim.probe.wedged = False
+    sim.run_until(lambda: sim.rig.lifecycle.engine.run is not old and sim.rig.state is EngineState.RUNNING)
+    assert not sim.rig.os.alive(old.pid)
+
+
+# -- the off-peak cache reset --------------------------------------------------------------------------------
+
+
+def test_the_cache_reset_runs_only_idle_in_dev_mode_on_loopback(tmp_path: Path) -> None:
+    sim = make_explorer(tmp_path)
+    resets: list[str] = []
+
+    def reset(base_url: str, **_: Any) -> CacheResetResult:
+        resets.append(base_url)
+        return CacheResetResult(True, 3, 'HTTP 200 {"success": true}', 0.5)
+
+    cache = CacheReset(
+        sim.rig.config, sim.rig.lifecycle, recorder=sim.rig.recorder, submit=run_here, reset=reset
+    )
+    idle = {"requests.running": 0.0, "requests.waiting": 0.0, "kv_cache.usage": 0.4}
+    cache.due(idle)
+    assert "VLLM_SERVER_DEV_MODE" in sim.rig.last("cache_reset.skipped")["reason"] and not resets
+    cache.config = sim.rig.config.model_copy(
+        update={"engine": sim.rig.config.engine.model_copy(update={"env": {"VLLM_SERVER_DEV_MODE": "1"}})}
+    )
+    cache.due({**idle, "requests.running": 2.0})
+    assert sim.rig.last("cache_reset.skipped")["reason"] == "vLLM is not idle" and not resets
+    cache.due(idle)
+    cache.step({**idle, "kv_cache.usage": 0.0})
+    done = sim.rig.last("cache_reset.done")
+    assert resets == [sim.rig.run.base_url] and done["attempts"] == 3
+    assert done["before"]["kv_cache.usage"] == 0.4 and done["after"]["kv_cache.usage"] == 0.0
