@@ -182,7 +182,7 @@ def test_tuning_style_restart_goes_through_the_preflight_and_memory_gate(daemon:
     assert intent["params_before"].get("max_num_seqs") == before
     stopped = daemon.wait_event("engine.stopped", timeout=60, after_seq=intent["seq"])
     passed = daemon.wait_event("preflight.passed", timeout=60, after_seq=stopped["seq"])
-    assert set(passed["timings"]) == {"leftovers", "port", "memory", "page_cache", "plan"}
+    assert set(passed["timings"]) == {"foreign", "leftovers", "port", "memory", "page_cache", "plan"}
     spawned = daemon.wait_event("engine.spawned", after_seq=passed["seq"])
     assert spawned["argv"][spawned["argv"].index("--max-num-seqs") + 1] == str(target)
     assert "--shutdown-timeout" in spawned["argv"], "vLLM 0.32 has it (checked with --help at daemon start)"

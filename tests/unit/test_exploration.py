@@ -315,3 +315,34 @@ def test_the_cache_reset_runs_only_idle_in_dev_mode_on_loopback(tmp_path: Path) 
     done = sim.rig.last("cache_reset.done")
     assert resets == [sim.rig.run.base_url] and done["attempts"] == 3
     assert done["before"]["kv_cache.usage"] == 0.4 and done["after"]["kv_cache.usage"] == 0.0
+
+
+def test_a_maintenance_window_starts_one_exploration_per_opening(tmp_path: Path) -> None:
+    from datetime import timedelta
+
+    probe = make_explorer(tmp_path / "probe")
+    opens = (_wall(probe.rig) + timedelta(seconds=120)).astimezone()  # local time, as the cron is read
+    window = {"cron": f"{opens.minute} {opens.hour} * * *", "duration_s": 1800}
+    sim = make_explorer(tmp_path / "sim", maintenance=[window], explore_in_windows=["max_num_seqs"])
+    assert not sim.rig.records("explore.started")  # before the window: nothing
+    sim.run_until(lambda: bool(sim.explored()))
+    started = sim.rig.last("explore.started")
+    assert started["trigger"] == "a maintenance window opened"
+    assert sim.explored()[-1]["best"] == {"max_num_seqs": 8}
+    sim.run_for(600)  # still inside the same window
+    assert len(sim.rig.records("explore.started")) == 1
+
+
+def test_a_point_the_planner_refuses_costs_no_restart(tmp_path: Path) -> None:
+    sim = make_explorer(tmp_path)
+    sim.rig.lifecycle.capacity.check = lambda params: (  # type: ignore[method-assign]
+        PlanOutcome("oversubscription 2.10", {"band": "never"})
+        if params.max_num_seqs == 64
+        else PlanOutcome(None, {"band": "fine"})
+    )
+    finished = sim.explore("max_num_seqs")
+    refused = [p for p in sim.rig.records("explore.point") if p["value"] == 64]
+    assert refused and refused[0]["objective"] is None and refused[0]["probe"]["refused"]
+    trial_intents = [i["params"]["max_num_seqs"] for i in sim.rig.intents("trial")]
+    assert 64 not in trial_intents and finished["restarts"] == len(trial_intents) == 6
+    assert ("max_num_seqs", 64) in {(e.param, e.value) for e in sim.rig.dstate.tuning.tabu}

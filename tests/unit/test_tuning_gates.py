@@ -9,7 +9,16 @@ from typing import Any
 import pytest
 
 from tunerd.config import MaintenanceWindow, TuningConfig
-from tunerd.policy.gates import DAY_S, HOUR_S, Budget, budget, flip_flop, why_not_act, window_open
+from tunerd.policy.gates import (
+    DAY_S,
+    HOUR_S,
+    Budget,
+    budget,
+    flip_flop,
+    why_not_act,
+    window_open,
+    window_opened_at,
+)
 
 NOW = 1_750_000_000.0  # a wall time (epoch seconds)
 NIGHTLY = MaintenanceWindow(cron="0 2 * * *", duration_s=7200)
@@ -216,3 +225,13 @@ def test_undoing_the_latest_of_several_kept_changes_is_a_flip_flop() -> None:
 
 def test_no_kept_changes_no_flip_flop() -> None:
     assert flip_flop("max_num_seqs", 256, [], NOW, tabu_s=3600) is None
+
+
+def test_a_window_is_known_by_when_it_opened_so_each_opening_counts_once() -> None:
+    opened = at(2, 0).timestamp()
+    assert window_opened_at([NIGHTLY], at(2, 0)) == opened
+    assert window_opened_at([NIGHTLY], at(3, 59)) == opened  # the same window, later in it
+    assert window_opened_at([NIGHTLY], at(4, 1)) is None  # closed after its 2 h
+    assert window_opened_at([NIGHTLY], at(1, 59)) is None
+    tomorrow = (at(2, 30) + timedelta(days=1)).replace(minute=0)
+    assert window_opened_at([NIGHTLY], tomorrow) == opened + DAY_S  # the next night's: a new opening

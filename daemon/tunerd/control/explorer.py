@@ -3,12 +3,13 @@ each point a normal trial — intent, restart through the start path, warm-up, e
 is the benchmark probe's throughput, within the latency limits.
 
 In order: the probe measures the configuration in force (no restart); the plan (parameters, ladders,
-budget) is journaled; then point after point: a restart with the point, the warm-up, a probe, the
-point's objective (None when its start failed or a limit broke), the next point; the search's best
-becomes last-known-good (one more restart when it is not the last point measured). Points stay in
-force between them and nothing is promoted by time; each restart counts against the tuner's budget;
-values known to be bad are tabu; a point known from an earlier exploration under a comparable load is
-not measured again. `tunerd explore` starts one; so may a maintenance window.
+budget) is journaled; then point after point: the planner (a point it refuses is infeasible and costs no
+restart), a restart with the point, the warm-up, a probe, the point's objective (None when its start
+failed or a limit broke), the next point; the search's best becomes last-known-good (one more restart when
+it is not the last point measured). Points stay in force between them and nothing is promoted by time;
+each restart counts against the tuner's budget; values known to be bad are tabu; a point known from an
+earlier exploration under a comparable load is not measured again. `tunerd explore` starts one; so may a
+maintenance window.
 
 A recall is the one-point form: the best configuration the tuning memory knows for this model and box
 (a new deployment, an imported memory) is tried against the one in force, probe against probe, and kept
@@ -18,6 +19,7 @@ only when it beats it by more than the tolerance; else reverted, and its values 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
@@ -25,7 +27,9 @@ from typing import Any
 import structlog
 
 from tunerd.config import Config
+from tunerd.control.capacity import PlanOutcome
 from tunerd.control.lifecycle import Lifecycle
+from tunerd.control.preflight import run_here
 from tunerd.control.prober import Prober
 from tunerd.control.recall import Recall
 from tunerd.control.tuning_memory import TuningMemory
@@ -41,6 +45,7 @@ log = structlog.get_logger("tunerd")
 
 
 class Step(IntEnum):
+    PLANNING = 0  # the planner is asked whether the point fits (a refused point costs no restart)
     BASELINE = 1  # probing the configuration in force
     RESTARTING = 2  # vLLM restarting with the point
     WARMUP = 3
@@ -62,6 +67,7 @@ class Exploration:
     measured: list[dict[str, Any]] = field(default_factory=list)
     recall: EngineParams | None = None  # a recall: the configuration the tuning memory proposes
     baseline_objective: float | None = None
+    plan: Future[PlanOutcome] | None = None  # the planner's verdict on the point, while PLANNING
 
 
 class Explorer:
@@ -78,6 +84,7 @@ class Explorer:
         monotonic: Callable[[], float],
         recall: Recall | None = None,
         on_kept: Callable[[str], None] = lambda why: None,
+        submit: Callable[[Callable[[], PlanOutcome]], Future[PlanOutcome]] = run_here,
     ) -> None:
         self.config = config
         self.life = lifecycle
@@ -86,6 +93,7 @@ class Explorer:
         self.rec = recorder
         self.monotonic = monotonic
         self.recall = recall
+        self.submit = submit  # the planner's check runs as a worker job (it reads the model, /proc)
         self.on_kept = on_kept  # a new configuration is last-known-good: the tuner records a new baseline
         self.current: Exploration | None = None
 
@@ -176,9 +184,26 @@ class Explorer:
             return
         name, value = point
         params = self.life.params.replace(**{**ex.search.best, name: value})
-        ex.point = point
-        reason = f"exploration {ex.explore_id}: {name} = {value}"
-        if not self.life.start_trial(ex.explore_id, params, reason):
+        ex.point, check = point, self.life.capacity.check
+        ex.plan = self.submit(lambda: check(params))
+        ex.step, ex.since = Step.PLANNING, now
+
+    def _planned(self, ex: Exploration, now: float) -> None:
+        """The planner's verdict on the point: refused — infeasible, tabu, no restart — or restart."""
+        assert ex.plan is not None and ex.point is not None and ex.search is not None
+        try:
+            refusal = ex.plan.result().refusal
+        except Exception:  # the planner is advice: a bug in it does not stop the exploration
+            refusal = None
+        ex.plan = None
+        name, value = ex.point
+        if refusal is not None:
+            self._record_point(ex, None, {"refused": refusal})
+            self.memory.add_tabu(name, value, f"the planner refused it: {refusal}")
+            self._next(now)
+            return
+        params = self.life.params.replace(**{**ex.search.best, name: value})
+        if not self.life.start_trial(ex.explore_id, params, f"exploration {ex.explore_id}: {name} = {value}"):
             self._finish("the restart could not be announced")
             return
         self._restarted(ex, Step.RESTARTING, now)
@@ -192,7 +217,9 @@ class Explorer:
         ex = self.current
         if ex is None:
             return
-        if ex.step is Step.WARMUP and now - ex.since >= self.config().tuning.warmup_s:
+        if ex.step is Step.PLANNING and ex.plan is not None and ex.plan.done():
+            self._planned(ex, now)
+        elif ex.step is Step.WARMUP and now - ex.since >= self.config().tuning.warmup_s:
             ex.step, ex.since = Step.MEASURING, now
             what = ex.point or "the recalled configuration"
             self.prober.request(f"exploration {ex.explore_id}: {what}", self._measured, remember=False)

@@ -109,6 +109,7 @@ class Tuner:
                 monotonic=lifecycle.monotonic,
                 recall=recall,
                 on_kept=self._probe_for_baseline,
+                submit=submit,
             )
             if prober is not None
             else None
