@@ -27,4 +27,4 @@ echo "==> import contract (pyproject.toml [tool.importlinter])"
 echo "==> pytest"
 export TUNERD_REQUIRE_ENGINE=1
 export TUNERD_REQUIRE_SYSTEM=1
-exec .venv/bin/pytest tests/unit tests/integration tests/engine tests/system "$@"
+exec .venv/bin/pytest --durations=30 tests/unit tests/integration tests/engine tests/system "$@"
