@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.unit.fakes import make_rig
 from tests.unit.test_tuner import Perf, SimEngine, TunerRig, _wall
 from tunerd.config import ProbeConfig
@@ -101,7 +103,12 @@ class ExploreRig(TunerRig):
 
 
 def make_explorer(
-    tmp_path: Path, *, seqs: int = 32, memory: Experience | None = None, **tuning: Any
+    tmp_path: Path,
+    *,
+    seqs: int = 32,
+    memory: Experience | None = None,
+    live: dict[int, Perf] | None = None,
+    **tuning: Any,
 ) -> ExploreRig:
     overrides: dict[str, Any] = {
         "engine": {"params": {"max_num_seqs": seqs}},
@@ -124,7 +131,14 @@ def make_explorer(
         save_state=rig.lifecycle.save_state, metrics=rig.metrics, submit=run_here,
         wallclock=lambda: _wall(rig), prober=prober, recall=recall,
     )  # fmt: skip
-    sim = ExploreRig(rig, tuner, SimEngine(Landscape()), SignalWindow(20.0), prober=prober, probe=probe)
+    sim = ExploreRig(
+        rig,
+        tuner,
+        SimEngine(live if live is not None else Landscape()),
+        SignalWindow(20.0),
+        prober=prober,
+        probe=probe,
+    )
     probe.sim = sim
     rig.serve()
     rig.dstate.identity = dict(IDENTITY)  # what the identity job finds once vLLM serves
@@ -142,6 +156,7 @@ def test_an_exploration_finds_the_peak_and_makes_it_last_known_good(tmp_path: Pa
     started = sim.rig.last("explore.started")
     assert started["ladders"]["max_num_seqs"] == [1, 2, 4, 8, 16, 32, 64]
     assert started["objective"] == peak_at_8(32)
+    assert started["objective_source"] == "probe"  # 24 clients do not saturate max_num_seqs 32
     assert finished["best"] == {"max_num_seqs": 8} and finished["reason"] == "done"
     assert sim.params().max_num_seqs == 8 and sim.rig.lifecycle.known_good == sim.params()
     points = [(p["value"], p["objective"]) for p in sim.rig.records("explore.point")]
@@ -153,6 +168,30 @@ def test_an_exploration_finds_the_peak_and_makes_it_last_known_good(tmp_path: Pa
     assert finished["restarts"] == len(trial_intents) == len(points) + 1 == 7
     assert finished["restarts"] <= started["at_most_restarts"]
     assert sim.tuner.exploring is False and sim.rig.lifecycle.hold_promotion is False
+
+
+class PeakAt4(dict[int, Perf]):
+    """Live traffic's landscape with its peak at 4, where the probe's (peak_at_8) is at 8."""
+
+    def __missing__(self, seqs: int) -> Perf:
+        return Perf(1200.0 * math.exp(-((math.log2(seqs) - 2) ** 2) / 4), 0.0, 0.5)
+
+
+def test_under_saturating_live_traffic_the_live_window_scores_the_points(tmp_path: Path) -> None:
+    # 24 clients against max_num_seqs 16: requests wait, the engine is saturated; its capacity is what
+    # the live window measures, and the probe's 8 requests only their share of it.
+    sim = make_explorer(tmp_path, seqs=16, live=PeakAt4())
+    finished = sim.explore("max_num_seqs")
+    started = sim.rig.last("explore.started")
+    assert started["objective_source"] == "live" and started["live"]["saturated"]
+    assert finished["best"] == {"max_num_seqs": 4}  # the probe alone would have chosen 8
+    points = sim.rig.records("explore.point")
+    assert {p["objective_source"] for p in points} == {"live"}
+    four = next(p for p in points if p["value"] == 4)
+    assert four["objective"] == pytest.approx(four["live"]["throughput"]["median"], abs=0.1)
+    assert four["probe"]["throughput"] == pytest.approx(peak_at_8(4))  # what the probe alone saw
+    # A point is scored on a window as long as a trial's evidence, not on the probe's few seconds.
+    assert all(p["live"]["seconds"] >= 0.9 * sim.rig.config.tuning.window_s for p in points)
 
 
 def test_points_are_not_promoted_while_the_exploration_runs(tmp_path: Path) -> None:

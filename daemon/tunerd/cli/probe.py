@@ -207,9 +207,14 @@ def explore_progress(
 
 def _plan(record: Record) -> str:
     objective = record.get("objective")
+    source = (
+        "live traffic's generation throughput: it saturates the engine"
+        if record.get("objective_source") == "live"
+        else "the probe's generation throughput"
+    )
     lines = [
         f"exploration {record.get('explore')}: the configuration in force measures "
-        f"{_rate(objective)} (the probe's generation throughput)"
+        f"{_rate(objective)} ({source})"
     ]
     if record.get("recall"):
         lines.append(f"  trying the tuning memory's best configuration: {record['recall']}")

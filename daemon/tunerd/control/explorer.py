@@ -1,6 +1,7 @@
 """Exploration, the tuner's second mode: a coordinate search over named parameters (policy/explore.py),
 each point a normal trial — intent, restart through the start path, warm-up, evidence — whose evidence
-is the benchmark probe's throughput, within the latency limits.
+is the benchmark probe's throughput, within the latency limits — or, when live traffic saturates the
+engine, the live window's (policy/explore.py says why; the probe then still sets the latency limits).
 
 In order: the probe measures the configuration in force (no restart); the plan (parameters, ladders,
 budget) is journaled; then point after point: the planner (a point it refuses is infeasible and costs no
@@ -37,7 +38,8 @@ from tunerd.core.failures import EngineFailure
 from tunerd.core.params import EngineParams
 from tunerd.engine.process import EngineRun
 from tunerd.observe.probe import ProbeResult
-from tunerd.policy.explore import Search, ladder, start
+from tunerd.policy.evidence import WindowStats
+from tunerd.policy.explore import Search, Source, ladder, objective_source, scored, start
 from tunerd.policy.tunables import REGISTRY, Value
 from tunerd.records.recorder import Recorder
 
@@ -68,6 +70,8 @@ class Exploration:
     recall: EngineParams | None = None  # a recall: the configuration the tuning memory proposes
     baseline_objective: float | None = None
     plan: Future[PlanOutcome] | None = None  # the planner's verdict on the point, while PLANNING
+    source: Source = "probe"  # what scores every point of this exploration, fixed at its start
+    pending: tuple[ProbeResult | None, str | None] | None = None  # a probe done, the live window not yet
 
 
 class Explorer:
@@ -85,6 +89,7 @@ class Explorer:
         recall: Recall | None = None,
         on_kept: Callable[[str], None] = lambda why: None,
         submit: Callable[[Callable[[], PlanOutcome]], Future[PlanOutcome]] = run_here,
+        window: Callable[[float, float], WindowStats | None] = lambda start, end: None,
     ) -> None:
         self.config = config
         self.life = lifecycle
@@ -94,6 +99,7 @@ class Explorer:
         self.monotonic = monotonic
         self.recall = recall
         self.submit = submit  # the planner's check runs as a worker job (it reads the model, /proc)
+        self.window = window  # the serving run's live window [start, end] (the tuner's samples)
         self.on_kept = on_kept  # a new configuration is last-known-good: the tuner records a new baseline
         self.current: Exploration | None = None
 
@@ -123,8 +129,12 @@ class Explorer:
         if result is None:
             self._finish(f"no baseline probe: {why}")
             return
+        now = self.monotonic()
+        live = self.window(now - self.config().tuning.window_s, now)
+        ex.source = objective_source(live)
+        objective, _ = scored(ex.source, self._probe_objective(result), live)
         if ex.recall is not None:
-            self._recall_start(ex, result)
+            self._recall_start(ex, result, objective, live)
             return
         params = self.life.params
         run = self.life.engine.run
@@ -150,7 +160,6 @@ class Explorer:
         for name, value in self.memory.tabu():
             if name in ex.params:
                 known.setdefault((name, value), None)  # known-bad: never measured, never chosen
-        objective = self._objective(result)
         ex.search = start(
             ex.params, current, ladders, tolerance=tuning.explore_tolerance, objective=objective, known=known
         )
@@ -162,7 +171,9 @@ class Explorer:
             trigger=ex.reason,
             ladders={k: list(v) for k, v in ladders.items()},
             objective=objective,
+            objective_source=ex.source,
             probe=result.as_dict(),
+            live=live.as_dict() if live is not None else None,
             known_points=len(known),
             budget_left=budget,
             at_most_restarts=sum(2 * len(v) for v in ladders.values()) + 1,
@@ -219,24 +230,46 @@ class Explorer:
             return
         if ex.step is Step.PLANNING and ex.plan is not None and ex.plan.done():
             self._planned(ex, now)
+        elif ex.step is Step.MEASURING and ex.pending is not None and self._window_full(ex, now):
+            (result, why), ex.pending = ex.pending, None
+            self._scored(ex, result, why, now)
         elif ex.step is Step.WARMUP and now - ex.since >= self.config().tuning.warmup_s:
             ex.step, ex.since = Step.MEASURING, now
             what = ex.point or "the recalled configuration"
             self.prober.request(f"exploration {ex.explore_id}: {what}", self._measured, remember=False)
 
     def _measured(self, result: ProbeResult | None, why: str | None) -> None:
-        ex = self.current
-        if ex is not None and ex.recall is not None:
-            self._recall_measured(ex, result, why)
+        """The point's probe is done; scored now, or (live objective) once its live window is whole."""
+        ex, now = self.current, self.monotonic()
+        if ex is None or ex.step is not Step.MEASURING:
             return
-        if ex is None or ex.point is None or ex.search is None:
-            return
-        objective = self._objective(result) if result is not None else None
-        self._record_point(ex, objective, result.as_dict() if result is not None else {"error": why})
-        self.life.end_trial(keep=True, reason="exploration point measured", promote=False)
-        self._next(self.monotonic())
+        if self._window_full(ex, now):
+            self._scored(ex, result, why, now)
+        else:
+            ex.pending = (result, why)
 
-    def _record_point(self, ex: Exploration, objective: float | None, figures: dict[str, Any]) -> None:
+    def _window_full(self, ex: Exploration, now: float) -> bool:
+        """A live objective needs `tuning.window_s` of the point's serving, like a trial's evidence."""
+        return ex.source == "probe" or now - ex.since >= self.config().tuning.window_s
+
+    def _scored(self, ex: Exploration, result: ProbeResult | None, why: str | None, now: float) -> None:
+        live = self.window(ex.since, now) if ex.source == "live" else None
+        feasible = self._probe_objective(result) if result is not None else None
+        objective, source = scored(ex.source, feasible, live)
+        figures = result.as_dict() if result is not None else {"error": why}
+        extra = {"objective_source": source, "live": live.as_dict() if live is not None else None}
+        if ex.recall is not None:
+            self._recall_measured(ex, objective, figures, extra)
+            return
+        if ex.point is None or ex.search is None:
+            return
+        self._record_point(ex, objective, figures, **extra)
+        self.life.end_trial(keep=True, reason="exploration point measured", promote=False)
+        self._next(now)
+
+    def _record_point(
+        self, ex: Exploration, objective: float | None, figures: dict[str, Any], **extra: Any
+    ) -> None:
         assert ex.point is not None and ex.search is not None
         name, value = ex.point
         ex.search = ex.search.record(name, value, objective)
@@ -247,10 +280,10 @@ class Explorer:
                 self.life.params.replace(**{**ex.search.best, name: value}), name, objective, figures
             )
         self.rec.record(
-            "explore.point", explore=ex.explore_id, **entry, best=dict(ex.search.best), probe=figures
+            "explore.point", explore=ex.explore_id, **entry, best=dict(ex.search.best), probe=figures, **extra
         )
 
-    def _objective(self, result: ProbeResult) -> float | None:
+    def _probe_objective(self, result: ProbeResult) -> float | None:
         """The probe's throughput, or None (infeasible) when it failed or broke a latency limit."""
         tuning = self.config().tuning
         if result.errors or result.throughput is None:
@@ -263,9 +296,11 @@ class Explorer:
 
     # -- a recall: one configuration from the tuning memory -----------------------------------------
 
-    def _recall_start(self, ex: Exploration, result: ProbeResult) -> None:
+    def _recall_start(
+        self, ex: Exploration, result: ProbeResult, objective: float | None, live: WindowStats | None
+    ) -> None:
         assert ex.recall is not None
-        ex.baseline_objective = self._objective(result)
+        ex.baseline_objective = objective
         changes = {k: v for k, v in ex.recall.as_dict().items() if getattr(self.life.params, k) != v}
         self.rec.record(
             "explore.started",
@@ -274,7 +309,9 @@ class Explorer:
             trigger=ex.reason,
             recall=changes,
             objective=ex.baseline_objective,
+            objective_source=ex.source,
             probe=result.as_dict(),
+            live=live.as_dict() if live is not None else None,
             budget_left=self.memory.budget().left,
             at_most_restarts=2,
         )
@@ -286,15 +323,15 @@ class Explorer:
             return
         self._restarted(ex, Step.RESTARTING, self.monotonic())
 
-    def _recall_measured(self, ex: Exploration, result: ProbeResult | None, why: str | None) -> None:
+    def _recall_measured(
+        self, ex: Exploration, objective: float | None, figures: dict[str, Any], extra: dict[str, Any]
+    ) -> None:
         assert ex.recall is not None
-        objective = self._objective(result) if result is not None else None
         base, tolerance = ex.baseline_objective, self.config().tuning.explore_tolerance
         won = objective is not None and (base is None or objective > base * (1 + tolerance))
         entry = {"recall": ex.recall.as_dict(), "objective": objective, "objective_before": base}
         ex.measured.append(entry)
-        figures = result.as_dict() if result is not None else {"error": why}
-        self.rec.record("explore.point", explore=ex.explore_id, **entry, kept=won, probe=figures)
+        self.rec.record("explore.point", explore=ex.explore_id, **entry, kept=won, probe=figures, **extra)
         if self.recall is not None:  # its own figures here: a hint from elsewhere becomes a measurement
             for name in ex.params:
                 self.recall.point(ex.recall, name, objective, figures)

@@ -110,6 +110,7 @@ class Tuner:
                 recall=recall,
                 on_kept=self._probe_for_baseline,
                 submit=submit,
+                window=self._window,
             )
             if prober is not None
             else None

@@ -10,6 +10,11 @@ sweep's). A point that fails (its start fails, a latency limit breaks) is infeas
 chosen; a point already measured (in this search, or known from an earlier one under the same load)
 is not measured again.
 
+The objective is the probe's generation throughput — unless live traffic saturated the engine while the
+configuration in force was measured: then the live window's throughput (all traffic, the probe's
+included) is what measures the engine's capacity, and the probe's few requests only their share of it.
+`objective_source` fixes that once per search, so every point is scored the same way.
+
 `Search` is a value: `next_point()` says what to measure, `record()` folds one measurement in and
 returns the new search. The caller (control/explorer.py) turns each point into a trial.
 """
@@ -19,9 +24,28 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 from tunerd.core.params import Backend
+from tunerd.policy.evidence import WindowStats
 from tunerd.policy.tunables import REGISTRY, Value, bounds_of
+
+Source = Literal["probe", "live"]
+
+
+def objective_source(live: WindowStats | None) -> Source:
+    """The search's objective, fixed when it starts: "live" when the live window of the configuration
+    in force was saturated, else "probe"."""
+    return "live" if live is not None and live.saturated else "probe"
+
+
+def scored(source: Source, probe: float | None, live: WindowStats | None) -> tuple[float | None, Source]:
+    """A point's objective and where it came from. `probe` is the probe's throughput, None when the
+    probe says the point is infeasible (errors, a latency limit broke): infeasible in either mode. In
+    live mode the live window's median throughput; the probe's when there is no window (too few polls)."""
+    if probe is None or source == "probe" or live is None:
+        return probe, "probe"
+    return live.throughput.median, "live"
 
 
 def ladder(
