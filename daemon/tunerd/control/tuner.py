@@ -130,6 +130,7 @@ class Tuner:
             else None
         )
         self._baseline_probed = False  # the first probe baseline was asked for in this daemon run
+        self._baseline_waits = False  # ... and journaled as waiting for live traffic to ease
         lifecycle.trial_listener = self
         self._publish_mode()
 
@@ -275,6 +276,12 @@ class Tuner:
             served_s=now - run.ready_mono,
             now=wall.astimezone(),  # maintenance windows are in local time
         )
+        quiet = self.prober.quiet_for(now) if self.prober is not None else None
+        if blocked is None and quiet is not None and quiet < tuning.window_s:
+            blocked = (
+                f"a probe ran {quiet:.0f} s ago: the before window ({tuning.window_s:g} s) must hold "
+                "live traffic only"
+            )
         if blocked is not None:
             self.rec.record("rule.deferred", rule=rule.name, reason=blocked)
             return
@@ -570,13 +577,31 @@ class Tuner:
         self.metrics.trials.labels(outcome="aborted").inc()
         self._end()
 
+    def _first_probe_baseline(self) -> None:
+        """The first start's probe baseline, when live traffic is no busier than the periodic probe
+        allows (`probe.skip_when_running_above`): a probe competing with a heavy load measures its
+        share of the engine, not the engine (journaled once; asked again at the next evaluation)."""
+        busy = self.live.get("requests.running")
+        threshold = self.config.probe.skip_when_running_above
+        if busy is not None and busy > threshold:
+            if not self._baseline_waits:
+                self._baseline_waits = True
+                self.rec.record(
+                    "probe.skipped",
+                    trigger="baseline: the first start",
+                    reason=f"{busy:g} requests running (probe.skip_when_running_above {threshold:g}): "
+                    "the baseline probe waits for live traffic to ease",
+                )
+            return
+        self._baseline_probed = True
+        self._probe_for_baseline("the first start")
+
     def _maybe_record_baseline(self, now: float) -> None:
         """The first baseline: the probe's at once (it needs no live load), the live window's once
         requests are served (an idle engine has no live figures worth comparing with)."""
         baseline = self.memory.baseline
         if "probe.throughput" not in baseline and not self._baseline_probed:
-            self._baseline_probed = True
-            self._probe_for_baseline("the first start")
+            self._first_probe_baseline()
         if "throughput.generation" in baseline:
             return
         stats = self._window(now - self.config.tuning.window_s, now)
