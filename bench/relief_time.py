@@ -6,8 +6,10 @@ front door's in-flight cap (no restart) against when it restarts vLLM with a low
 
 Side by side in one run, against the same real vLLM (CPU build) and the same load: the "small"
 random-weight model of the engine tier (8 layers, hidden 1024: the engine, not the API server, bounds it
-on a small CPU), a 1,952-token KV cache, 16 closed-loop clients of 16 prompt + 96 generated tokens
-(4 blocks of 32 each: 16 at once need 64 of the cache's 61 blocks — preemptions — and 8 need 32). The
+on a small CPU), a 1,952-token KV cache, 16 closed-loop clients of 16 prompt + 256 generated tokens
+(a request holds 1 to 9 blocks of 32 as it grows, 4.5 on average: 16 at once want ~72 of the cache's 61
+blocks — the cache full, preemptions — and 8 about 36; with 96 generated tokens the cache was only 56 %
+full on average and the rule's 90 % never held). The
 shipped rule, held 10 s, moves `door.max_in_flight` first (then max_num_seqs) in one scenario and
 `max_num_seqs` alone in the other; both halve to 8.
 
@@ -114,7 +116,7 @@ def run_scenario(name: str, model: Path, cache: dict[str, str], work: Path) -> d
         scraper = Preemptions(f"http://127.0.0.1:{sections['engine']['port']}")
         scraper.start()
         url = f"http://127.0.0.1:{door_port}"
-        with ClosedLoopLoad(url, str(model), clients=16, prompt_tokens=16, max_tokens=96, seed=7) as load:
+        with ClosedLoopLoad(url, str(model), clients=16, prompt_tokens=16, max_tokens=256, seed=7) as load:
             fired = daemon.wait_event("rule.fired", timeout=900)
             fired_at = parse_time(fired["time"]).timestamp()
             deadline = time.time() + 600

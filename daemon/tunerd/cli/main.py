@@ -1,4 +1,6 @@
-"""The `tunerd` command: run | check-config | journal | status | resume | restart | plan."""
+"""The `tunerd` command: its parser and the dispatch to each subcommand (run, check-config, journal, status,
+restart, plan, the tuner's, the probe's, the door's). Just over 400 lines: the parser is one table of every
+subcommand's arguments, read in one place; the subcommands' work lives in their own modules."""
 
 from __future__ import annotations
 

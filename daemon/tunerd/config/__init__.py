@@ -2,6 +2,8 @@
 
 `load_config(path)` returns a `Config` or raises `ConfigError` whose `problems` are lines of the form
 `file: key: reason` — what `tunerd check-config` prints and what `tunerd run` prints before exiting 78.
+Just over 400 lines: the sections of tunerd.toml are one schema, each with its defaults beside it (the
+door's and the rules' schemas have their own modules).
 """
 
 from __future__ import annotations

@@ -15,6 +15,9 @@ maintenance window.
 A recall is the one-point form: the best configuration the tuning memory knows for this model and box
 (a new deployment, an imported memory) is tried against the one in force, probe against probe, and kept
 only when it beats it by more than the tolerance; else reverted, and its values go tabu.
+
+Over 400 lines: one state machine (planning, restart, warm-up, measuring, finishing) whose steps both
+forms share; the search itself is pure, in policy/explore.py.
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ In order, each may hold the start back (non-blocking: `step(now)` is called ever
 5. the capacity planner's verdict on the parameters (a refusal is final for these parameters).
 A start held back longer than `max_wait_s` fails with the last reason, so the crash-loop breaker
 (backoff, rollback, FATAL) applies instead of an endless wait.
+Over 400 lines: the five checks are one ordered gate with one wait/report discipline; the scans they
+run as jobs (foreign engines, page cache) sit beside them because nothing else uses them.
 """
 
 from __future__ import annotations

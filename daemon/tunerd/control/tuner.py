@@ -581,6 +581,8 @@ class Tuner:
         """The first start's probe baseline, when live traffic is no busier than the periodic probe
         allows (`probe.skip_when_running_above`): a probe competing with a heavy load measures its
         share of the engine, not the engine (journaled once; asked again at the next evaluation)."""
+        if self.prober is None or not self.config.probe.enabled:
+            return
         busy = self.live.get("requests.running")
         threshold = self.config.probe.skip_when_running_above
         if busy is not None and busy > threshold:

@@ -13,6 +13,7 @@
 NOT_SUPPORTED is a property of the device: the query's fields go into `unsupported`, are None (never 0),
 and the query is not asked again. Other NVML errors are per sample: None, noted in `errors`, and a
 `gpu.query_failed` warning once per device, query and code. Static facts are read once, at first use.
+Over 400 lines: every NVML query and its failure modes in one place, so no other module touches pynvml.
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ Queries take one `ExperienceKey`; `best`, `bad_values` and `measured` use verifi
 asked. An upgrade (`mark_unverified`) keeps old entries but flags them: hints, not truth. vLLM's version is
 part of the key, so after an upgrade the new key starts empty; `any_vllm=True` asks across versions for
 a first proposal.
+
+Over 400 lines: the file format (versioned, one entry per line), its damage handling, import/export and
+the queries over one store; splitting them would split one format's rules across modules.
 """
 
 from __future__ import annotations
