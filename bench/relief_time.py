@@ -13,10 +13,12 @@ full on average and the rule's 90 % never held). The
 shipped rule, held 10 s, moves `door.max_in_flight` first (then max_num_seqs) in one scenario and
 `max_num_seqs` alone in the other; both halve to 8.
 
-Measured per scenario: `rule.fired`'s journal time to the last increase of
-`vllm:num_preemptions_total` after it that is followed by `QUIET_S` seconds without one (this script
-scrapes vLLM's /metrics every second), and the clients' answers per second in the minute after. Prints
-every run and the medians, and the ratio restart / door. Takes ~4 min per run and scenario on 2 cores.
+Measured per scenario: from `rule.fired`'s journal time to the start of the first `QUIET_S` seconds in
+which vLLM generated tokens every second and preempted none (this script scrapes vLLM's /metrics every
+second; a restarted vLLM's counters start again from 0). A vLLM that is down generates nothing, so a
+restart's downtime counts as no relief — stopping vLLM ends its preemptions, not the clients' wait.
+Also the clients' answers per second in the minute after. Prints every run and the medians, and the
+ratio restart / door. Takes ~4 min per run and scenario on 2 cores.
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ def make_model(target: Path) -> Path:
 
 
 class Preemptions(threading.Thread):
-    """Scrapes vllm:num_preemptions_total every second: (wall time, value) pairs."""
+    """Scrapes vLLM's preemption and generated-token counters every second: (wall time, preemptions,
+    tokens); nothing while vLLM is down."""
 
     def __init__(self, url: str) -> None:
         super().__init__(daemon=True)
@@ -79,20 +82,35 @@ class Preemptions(threading.Thread):
                     text = client.get(f"{self.url}/metrics").text
                 except httpx.HTTPError:
                     continue  # vLLM restarting: its counter starts again from 0
+                counters = {"vllm:num_preemptions_total": 0.0, "vllm:generation_tokens_total": 0.0}
                 for line in text.splitlines():
-                    if line.startswith("vllm:num_preemptions_total"):
-                        self.samples.append((time.time(), float(line.rsplit(" ", 1)[1])))
+                    name = line.split("{", 1)[0].split(" ", 1)[0]
+                    if name in counters:
+                        counters[name] += float(line.rsplit(" ", 1)[1])
+                preempted, generated = counters.values()
+                self.samples.append((time.time(), preempted, generated))
 
 
-def relief_after(samples: list[tuple[float, float]], fired: float) -> float | None:
-    """Seconds from `fired` to the last preemption increase that QUIET_S seconds of none follow."""
-    last_rise, previous = fired, None
-    for t, value in samples:
-        if previous is not None and t >= fired and value > previous:
-            last_rise = t
-        if previous is not None and t - last_rise >= QUIET_S and t >= fired:
-            return last_rise - fired
-        previous = value
+def relief_after(samples: list[tuple[float, float, float]], fired: float) -> float | None:
+    """Seconds from `fired` to the start of the first QUIET_S seconds of serving without a preemption:
+    every scrape in it saw tokens generated and no preemption. A counter that fell is a new vLLM (its
+    rise counts from 0); a gap between scrapes (vLLM down) breaks the quiet run."""
+    quiet_since: float | None = None
+    previous: tuple[float, float, float] | None = None
+    for sample in samples:
+        t, preempted, generated = sample
+        if previous is not None and t >= fired:
+            restarted = preempted < previous[1] or generated < previous[2]
+            new_preemptions = preempted if restarted else preempted - previous[1]
+            new_tokens = generated if restarted else generated - previous[2]
+            serving = new_tokens > 0 and t - previous[0] < 3.0 and not new_preemptions
+            if not serving:
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = previous[0]
+            if quiet_since is not None and t - quiet_since >= QUIET_S:
+                return max(0.0, quiet_since - fired)
+        previous = sample
     return None
 
 
