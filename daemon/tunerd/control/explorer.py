@@ -132,8 +132,10 @@ class Explorer:
         if result is None:
             self._finish(f"no baseline probe: {why}")
             return
-        now = self.monotonic()
-        live = self.window(now - self.config().tuning.window_s, now)
+        # Live traffic's window is the one before the baseline probe began: the probe's own requests
+        # saturate a small max_num_seqs (the engine tier's 4 at a time against 2 made an idle engine look
+        # saturated, and each point then scored its mostly idle window: 0 tok/s).
+        live = self.window(ex.since - self.config().tuning.window_s, ex.since)
         ex.source = objective_source(live)
         objective, _ = scored(ex.source, self._probe_objective(result), live)
         if ex.recall is not None:
