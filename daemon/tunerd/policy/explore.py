@@ -10,8 +10,8 @@ sweep's). A point that fails (its start fails, a latency limit breaks) is infeas
 chosen; a point already measured (in this search, or known from an earlier one under the same load)
 is not measured again.
 
-The objective is the probe's generation throughput — unless live traffic saturated the engine while the
-configuration in force was measured: then the live window's throughput (all traffic, the probe's
+The objective is the probe's generation throughput — unless live traffic saturated the engine in the
+window before the search's first probe: then the live window's throughput (all traffic, the probe's
 included) is what measures the engine's capacity, and the probe's few requests only their share of it.
 `objective_source` fixes that once per search, so every point is scored the same way.
 
@@ -34,8 +34,8 @@ Source = Literal["probe", "live"]
 
 
 def objective_source(live: WindowStats | None) -> Source:
-    """The search's objective, fixed when it starts: "live" when the live window of the configuration
-    in force was saturated, else "probe"."""
+    """The search's objective, fixed when it starts: "live" when live traffic's window before its first
+    probe (the probe's own requests can saturate a small max_num_seqs) was saturated, else "probe"."""
     return "live" if live is not None and live.saturated else "probe"
 
 
