@@ -321,7 +321,7 @@ def test_a_trials_before_window_holds_no_probe_and_the_first_baseline_probe_wait
 ) -> None:
     # 24 clients on max_num_seqs 16: the KV rule holds. A probe's requests inside the before window
     # would change the offered load it compares (a real trial was made inconclusive that way).
-    sim = make_explorer(tmp_path, seqs=16, live=LANDSCAPE, rules=[{**KV_RULE, "cooldown_s": 5}])
+    sim = make_explorer(tmp_path, seqs=16, live=LANDSCAPE, rules=[{**KV_RULE, "cooldown_s": 3600}])
     sim.run_for(30)  # settled; the rule holds and fires a few seconds from now
     assert sim.prober is not None
     sim.prober.request("the operator", lambda result, why: None)
@@ -330,11 +330,26 @@ def test_a_trials_before_window_holds_no_probe_and_the_first_baseline_probe_wait
     sim.run_until(lambda: bool(sim.rig.records("trial.started")))
     deferred = sim.rig.last("rule.deferred")
     assert "a probe ran" in deferred["reason"] and "live traffic only" in deferred["reason"]
-    assert sim.now - probe_ended >= sim.rig.config.tuning.window_s
+    # Held until the probe left the before window, not a cooldown (an hour) later.
+    waited = sim.now - probe_ended
+    assert sim.rig.config.tuning.window_s <= waited < sim.rig.config.tuning.window_s + 5
     # The first start's probe baseline was not taken under this load: it waits, said once.
     waits = [r for r in sim.rig.records("probe.skipped") if "baseline probe waits" in r["reason"]]
     assert len(waits) == 1
     assert not [r for r in sim.rig.records("probe.result") if r["trigger"].startswith("baseline")]
+
+
+def test_a_revert_rule_with_nothing_to_revert_alerts_at_once_even_right_after_a_probe(tmp_path: Path) -> None:
+    # A probe rule fires right after its probe; the probe-free before window only matters to a trial.
+    revert = {**KV_RULE, "name": "revert-under-pressure", "action": {"kind": "revert"}}
+    sim = make_explorer(tmp_path, seqs=16, live=LANDSCAPE, rules=[revert])
+    sim.run_for(30)
+    assert sim.prober is not None
+    sim.prober.request("the operator", lambda result, why: None)
+    sim.tick()
+    sim.run_until(lambda: bool(sim.rig.records("rule.alert")))
+    assert "no kept change" in sim.rig.last("rule.alert")["reason"]
+    assert not sim.rig.records("rule.deferred") and not sim.rig.records("trial.started")
 
 
 def test_a_probe_without_tokens_from_a_healthy_engine_is_a_wedge_and_restarts_it(tmp_path: Path) -> None:

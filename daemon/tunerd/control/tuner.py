@@ -276,12 +276,6 @@ class Tuner:
             served_s=now - run.ready_mono,
             now=wall.astimezone(),  # maintenance windows are in local time
         )
-        quiet = self.prober.quiet_for(now) if self.prober is not None else None
-        if blocked is None and quiet is not None and quiet < tuning.window_s:
-            blocked = (
-                f"a probe ran {quiet:.0f} s ago: the before window ({tuning.window_s:g} s) must hold "
-                "live traffic only"
-            )
         if blocked is not None:
             self.rec.record("rule.deferred", rule=rule.name, reason=blocked)
             return
@@ -307,6 +301,18 @@ class Tuner:
         )
         if flop is not None:
             self.memory.mute(rule.name, flop)
+            return
+        quiet = self.prober.quiet_for(now) if self.prober is not None else None
+        if quiet is not None and quiet < tuning.window_s:
+            # Held, not spent: the rule fires again once the probe has left the before window, not a
+            # cooldown later (a probe rule fires right after its probe; its alert must not wait on this).
+            self.states[rule.name] = replace(state, cooldown_until=now + tuning.window_s - quiet)
+            self.rec.record(
+                "rule.deferred",
+                rule=rule.name,
+                reason=f"a probe ran {quiet:.0f} s ago: the before window ({tuning.window_s:g} s) must "
+                "hold live traffic only",
+            )
             return
         before_values = signal_values(before, self.live)
         if tuning.mode == "dry-run":
