@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from tunerd.config.rules import StepAction
-from tunerd.core.params import TUNABLE_PARAMS, EngineParams
-from tunerd.policy.tunables import REGISTRY, NoProposal, Proposal, bounds_of, propose
+from tunerd.core.params import TUNABLE_PARAMS, Backend, EngineParams
+from tunerd.policy.tunables import REGISTRY, NoProposal, Proposal, Value, bounds_of, propose
 
 GIB = 1 << 30
 
@@ -328,14 +328,18 @@ def test_an_unset_parameter_steps_from_vllms_default_and_says_so() -> None:
     assert result.notes == ("max_num_seqs is not set: stepping from vLLM's default 256",)
 
 
-def test_the_default_stepped_from_is_the_backends() -> None:
-    cpu = proposed(
-        propose(action("max_num_batched_tokens", "down", factor=0.5), EngineParams(), backend="cpu")
-    )
-    cuda = proposed(
-        propose(action("max_num_batched_tokens", "down", factor=0.5), EngineParams(), backend="cuda")
-    )
-    assert (cpu.new, cuda.new) == (2048, 1024)
+def test_the_default_stepped_from_is_the_backends_and_the_gpus() -> None:
+    # vLLM's OpenAI-server defaults (engine/arg_utils.py): CPU 128 / 2048; a GPU by its memory.
+    def halved(param: str, backend: Backend, total: int | None = None) -> Value:
+        step = action(param, "down", factor=0.5)
+        return proposed(propose(step, EngineParams(), backend=backend, gpu_total_bytes=total)).new
+
+    h200, b200 = 139 << 30, 179 << 30
+    assert [halved("max_num_seqs", "cpu"), halved("max_num_batched_tokens", "cpu")] == [64, 1024]
+    assert [halved("max_num_seqs", "cuda"), halved("max_num_batched_tokens", "cuda")] == [128, 1024]
+    assert halved("max_num_seqs", "cuda", h200) == 512
+    assert halved("max_num_batched_tokens", "cuda", h200) == 4096
+    assert halved("max_num_batched_tokens", "cuda", b200) == 8192
 
 
 def test_an_unset_parameter_without_a_known_default_has_no_proposal() -> None:
@@ -472,7 +476,7 @@ def test_max_num_batched_tokens_below_the_default_max_num_seqs_is_refused() -> N
     refused(
         propose(
             action("max_num_batched_tokens", "down", factor=0.5),
-            EngineParams(max_num_batched_tokens=256),
+            EngineParams(max_num_batched_tokens=128),
             backend="cpu",
         )
     )

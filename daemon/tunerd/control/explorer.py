@@ -152,7 +152,7 @@ class Explorer:
         for name in ex.params:
             value = getattr(params, name)
             if value is None:
-                value = REGISTRY[name].default(backend)
+                value = REGISTRY[name].default(backend, machine.memory.gpu_total_bytes if machine else None)
             if value is None:
                 self._finish(f"{name} is not set and vLLM's default is not known: nothing to explore from")
                 return

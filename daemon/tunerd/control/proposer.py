@@ -54,13 +54,15 @@ class Proposer:
         run = self.life.engine.run
         machine = run.machine if run is not None else None
         backend = machine.backend if machine is not None else "cuda"
+        gpu_total = machine.memory.gpu_total_bytes if machine is not None else None
         if action.param in LIVE:
             if self.knobs is None:
                 return NoProposal("the front door is off ([door] enabled)")
             current = self.knobs.value(action.param)
             return propose_live(
-                action, params, current, backend=backend, bounds=tuning.bounds, tabu=self.memory.tabu()
-            )
+                action, params, current, backend=backend, bounds=tuning.bounds, tabu=self.memory.tabu(),
+                gpu_total_bytes=gpu_total,
+            )  # fmt: skip
         return propose(
             action,
             params,
@@ -69,6 +71,7 @@ class Proposer:
             bounds=tuning.bounds,
             unified_cap=tuning.unified_max_gpu_memory_utilization,
             tabu=self.memory.tabu(),
+            gpu_total_bytes=gpu_total,
         )
 
     def _revert(self, params: EngineParams) -> Proposal | NoProposal:

@@ -65,6 +65,24 @@ class EngineParams(BaseModel):
         return argv
 
 
+def batch_defaults(backend: Backend, gpu_total_bytes: int | None = None) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens) vLLM's OpenAI server takes when neither flag is passed.
+
+    They depend on the hardware (`_get_default_max_num_seqs_and_batched_tokens` in vLLM's
+    engine/arg_utils.py, read in 0.32.0; vllm-facts.md): CPU 128 / 2048; a GPU of ≥ 160 GiB 1024 / 16384,
+    of ≥ 70 GiB 1024 / 8192 (an H200), smaller or of unknown size 256 / 2048. vLLM keeps the small
+    figures on an 80 GB A100 (by its name, which tunerd does not pass here): set both flags there.
+    """
+    if backend == "cpu":
+        return 128, 2048
+    total = gpu_total_bytes or 0
+    if total >= 160 << 30:
+        return 1024, 16384
+    if total >= 70 << 30:
+        return 1024, 8192
+    return 256, 2048
+
+
 def _format_value(value: object) -> str:
     if isinstance(value, float):
         return repr(value)

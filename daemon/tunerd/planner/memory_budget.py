@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 
 from tunerd.core.model import ModelInfo
-from tunerd.core.params import Backend, EngineParams
+from tunerd.core.params import Backend, EngineParams, batch_defaults
 from tunerd.core.units import GiB, MiB, gib_text
 from tunerd.planner.calibration import Calibration
 from tunerd.planner.device_memory import (
@@ -83,14 +83,14 @@ def estimate_non_kv(
     CPU: a fixed runtime base (torch, vLLM, compiled graphs: 0.68 GiB measured for a tiny model) plus the
     weights. GPU: weights + ~1 GiB (CUDA context, NCCL, CUDA graphs) + ~12 hidden-sized activations per
     token of one batch of `max_num_batched_tokens` + two fp32 logit rows per sequence. Unset batch sizes
-    take vLLM's OpenAI-server defaults (8192/1024 on ≥ 70 GiB devices, else 2048/256). For the Qwen3-0.6B
+    take vLLM's OpenAI-server defaults (`core.params.batch_defaults`). For the Qwen3-0.6B
     shape on an H200 this gives ~2.7 GiB; vLLM 0.24 measured ~2.3 GiB.
     """
     if backend == "cpu":
         return CPU_RUNTIME_BASE_BYTES + weights
-    large = (total_bytes or 0) >= 70 * GiB
-    tokens = params.max_num_batched_tokens or (8192 if large else 2048)
-    seqs = params.max_num_seqs or (1024 if large else 256)
+    default_seqs, default_tokens = batch_defaults(backend, total_bytes)
+    tokens = params.max_num_batched_tokens or default_tokens
+    seqs = params.max_num_seqs or default_seqs
     hidden = model.hidden_size or 4096
     activations = tokens * hidden * 12 * model.dtype_bytes
     logits = seqs * (model.vocab_size or 32000) * 4 * 2

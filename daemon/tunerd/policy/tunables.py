@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tunerd.config.rules import StepAction
-from tunerd.core.params import Backend, EngineParams
+from tunerd.core.params import Backend, EngineParams, batch_defaults
 
 Value = int | float | bool
 
@@ -35,20 +35,25 @@ class Tunable:
     choices_cuda: tuple[int, ...] = ()
     boolean: bool = False
 
-    def default(self, backend: Backend) -> Value | None:
+    def default(self, backend: Backend, gpu_total_bytes: int | None = None) -> Value | None:
+        """What vLLM uses when the flag is not passed; the batch limits depend on the GPU's memory."""
+        if self.name in BATCH_LIMITS:
+            return batch_defaults(backend, gpu_total_bytes)[BATCH_LIMITS.index(self.name)]
         return self.default_cpu if backend == "cpu" else self.default_cuda
 
     def choices(self, backend: Backend) -> tuple[int, ...]:
         return self.choices_cpu if backend == "cpu" else self.choices_cuda
 
 
-# Defaults as vLLM 0.32 resolves them for the OpenAI server (vllm-facts.md: max_num_batched_tokens and
-# max_num_seqs depend on the GPU's memory; the small-GPU figures are used when tunerd does not know).
+BATCH_LIMITS = ("max_num_seqs", "max_num_batched_tokens")  # the order of core.params.batch_defaults
+
+
+# Defaults as vLLM 0.32 resolves them for the OpenAI server (the batch limits: core.params.batch_defaults).
 REGISTRY: dict[str, Tunable] = {
     t.name: t
     for t in (
-        Tunable("max_num_seqs", True, 1, 1024, default_cpu=256, default_cuda=256),
-        Tunable("max_num_batched_tokens", True, 64, 65536, default_cpu=4096, default_cuda=2048),
+        Tunable("max_num_seqs", True, 1, 1024),
+        Tunable("max_num_batched_tokens", True, 64, 65536),
         Tunable("max_model_len", True, 64, 1 << 20),
         Tunable("block_size", True, 16, 128, 32, 16, choices_cpu=(32, 64, 128), choices_cuda=(16, 32, 64)),
         Tunable("gpu_memory_utilization", False, 0.05, 0.95, default_cpu=0.92, default_cuda=0.92),
@@ -110,9 +115,10 @@ def propose(
     bounds: Mapping[str, tuple[float, float]] | None = None,
     unified_cap: float = 0.85,
     tabu: Mapping[tuple[str, Value], str] | None = None,
+    gpu_total_bytes: int | None = None,
 ) -> Proposal | NoProposal:
     """The one change `action` asks of `params`, or why there is none. `tabu` maps (param, value) to
-    why it is tabu."""
+    why it is tabu; `gpu_total_bytes` picks vLLM's defaults for unset batch limits."""
     name, notes = action.param, []
     if name == "gpu_memory_utilization" and params.kv_cache_memory_bytes is not None:
         # The operator sized the KV cache in bytes: vLLM ignores the utilization then; move the bytes by
@@ -126,7 +132,7 @@ def propose(
     current = getattr(params, name)
     old = current
     if current is None:
-        current = tunable.default(backend)
+        current = tunable.default(backend, gpu_total_bytes)
         if current is None:
             return NoProposal(f"{name} is not set and vLLM's default is not known: nothing to step from")
         notes.append(f"{name} is not set: stepping from vLLM's default {current}")
@@ -140,7 +146,7 @@ def propose(
     if why_tabu is not None:
         return NoProposal(f"the next value {name}={new} is tabu: {why_tabu}")
     changed = params.replace(**{name: new})
-    if problem := _cross_check(changed, backend):
+    if problem := _cross_check(changed, backend, gpu_total_bytes):
         return NoProposal(f"{name}={new}: {problem}")
     return Proposal(name, old, new, changed, tuple(notes))
 
@@ -153,12 +159,13 @@ def propose_live(
     backend: Backend,
     bounds: Mapping[str, tuple[float, float]] | None = None,
     tabu: Mapping[tuple[str, Value], str] | None = None,
+    gpu_total_bytes: int | None = None,
 ) -> Proposal | NoProposal:
     """The one change `action` asks of a live knob whose value is `current` (None: no cap, which
     behaves as max_num_seqs: vLLM runs no more at once), within its bounds and max_num_seqs."""
     name, notes = action.param, []
     tunable = LIVE[name]
-    seqs = params.max_num_seqs or REGISTRY["max_num_seqs"].default(backend) or tunable.high
+    seqs = params.max_num_seqs or REGISTRY["max_num_seqs"].default(backend, gpu_total_bytes) or tunable.high
     low, high = bounds_of(tunable, bounds or {}, backend, False, 1.0)
     high = min(high, float(seqs))
     old = current  # None (no cap) is what a revert restores
@@ -221,13 +228,11 @@ def _step(
     return int(value) if tunable.integer else float(value)
 
 
-def _cross_check(params: EngineParams, backend: Backend) -> str | None:
+def _cross_check(params: EngineParams, backend: Backend, gpu_total_bytes: int | None) -> str | None:
     """Constraints between parameters that vLLM enforces at start (a start refused is a lost restart);
     an unset parameter counts with vLLM's default."""
     batched = params.max_num_batched_tokens
-    seqs = (
-        params.max_num_seqs if params.max_num_seqs is not None else REGISTRY["max_num_seqs"].default(backend)
-    )
+    seqs = params.max_num_seqs or batch_defaults(backend, gpu_total_bytes)[0]
     if batched is not None and isinstance(seqs, int) and batched < seqs:
         return f"max_num_batched_tokens {batched} < max_num_seqs {seqs}"
     return None
