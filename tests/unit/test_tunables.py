@@ -9,7 +9,7 @@ import pytest
 
 from tunerd.config.rules import StepAction
 from tunerd.core.params import TUNABLE_PARAMS, Backend, EngineParams
-from tunerd.policy.tunables import REGISTRY, NoProposal, Proposal, Value, bounds_of, propose
+from tunerd.policy.tunables import REGISTRY, NoProposal, Proposal, Value, bounds_of, propose, propose_live
 
 GIB = 1 << 30
 
@@ -480,3 +480,21 @@ def test_max_num_batched_tokens_below_the_default_max_num_seqs_is_refused() -> N
             backend="cpu",
         )
     )
+
+
+def test_a_concurrency_limit_that_would_not_bind_steps_down_from_what_vllm_ran() -> None:
+    h200 = 139 << 30
+    halve = action("max_num_seqs", "down", factor=0.5)
+    # vLLM's 1024 on an H200 with 13.6 running: 512 would change nothing; the step starts at 14.
+    unset = proposed(propose(halve, EngineParams(), backend="cuda", gpu_total_bytes=h200, running=13.6))
+    assert (unset.old, unset.new) == (None, 7)
+    assert any("does not bind" in note and "13.6" in note for note in unset.notes)
+    # A limit that binds (16 with 12 running: 8 acts) steps as before.
+    binding = proposed(propose(halve, EngineParams(max_num_seqs=16), backend="cpu", running=12.0))
+    assert binding.new == 8 and not any("does not bind" in note for note in binding.notes)
+    # The door's cap, unset (max_num_seqs 1024 in force), likewise; up-steps never look at it.
+    cap = action("door.max_in_flight", "down", factor=0.5)
+    door = proposed(propose_live(cap, EngineParams(max_num_seqs=1024), None, backend="cuda", running=14.0))
+    assert (door.old, door.new) == (None, 7)
+    up = action("max_num_seqs", "up", factor=2.0)
+    assert proposed(propose(up, EngineParams(max_num_seqs=64), backend="cuda", running=3.0)).new == 128

@@ -34,8 +34,10 @@ class Proposer:
     def config(self) -> Config:
         return self._config()
 
-    def propose(self, rule: Rule) -> Proposal | NoProposal:
-        """The rule's change: its parameter's step, else (at a bound, tabu) the next of `then`'s."""
+    def propose(self, rule: Rule, running: float | None = None) -> Proposal | NoProposal:
+        """The rule's change: its parameter's step, else (at a bound, tabu) the next of `then`'s.
+        `running`: requests vLLM ran at once in the before window (a concurrency limit above it does
+        not bind, and steps down from it)."""
         params = self.life.params
         if rule.action.kind == "revert":
             return self._revert(params)
@@ -43,13 +45,13 @@ class Proposer:
         reasons = []
         for name in (rule.action.param, *rule.action.then):
             action = rule.action.model_copy(update={"param": name, "then": []})
-            proposal = self._step(action, params)
+            proposal = self._step(action, params, running)
             if isinstance(proposal, Proposal):
                 return replace(proposal, notes=(*proposal.notes, *reasons))
             reasons.append(f"{name}: {proposal.reason}")
         return NoProposal("; ".join(reasons))
 
-    def _step(self, action: StepAction, params: EngineParams) -> Proposal | NoProposal:
+    def _step(self, action: StepAction, params: EngineParams, running: float | None) -> Proposal | NoProposal:
         tuning = self.config.tuning
         run = self.life.engine.run
         machine = run.machine if run is not None else None
@@ -61,7 +63,7 @@ class Proposer:
             current = self.knobs.value(action.param)
             return propose_live(
                 action, params, current, backend=backend, bounds=tuning.bounds, tabu=self.memory.tabu(),
-                gpu_total_bytes=gpu_total,
+                gpu_total_bytes=gpu_total, running=running,
             )  # fmt: skip
         return propose(
             action,
@@ -72,6 +74,7 @@ class Proposer:
             unified_cap=tuning.unified_max_gpu_memory_utilization,
             tabu=self.memory.tabu(),
             gpu_total_bytes=gpu_total,
+            running=running,
         )
 
     def _revert(self, params: EngineParams) -> Proposal | NoProposal:

@@ -287,7 +287,7 @@ class Tuner:
             for param, value, why in self.recall.bad_values(before):
                 if (param, value) not in self.memory.tabu():
                     self.memory.add_tabu(param, value, f"tuning memory: {why}")
-        proposal = self.proposer.propose(rule)
+        proposal = self.proposer.propose(rule, running=before.running_avg)
         if isinstance(proposal, NoProposal) and rule.action.kind == "revert":
             self.rec.record("rule.alert", rule=rule.name, why=rule.why, reason=proposal.reason)
             log.warning("rule.alert", rule=rule.name, why=rule.why, reason=proposal.reason)

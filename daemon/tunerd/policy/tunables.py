@@ -116,9 +116,11 @@ def propose(
     unified_cap: float = 0.85,
     tabu: Mapping[tuple[str, Value], str] | None = None,
     gpu_total_bytes: int | None = None,
+    running: float | None = None,
 ) -> Proposal | NoProposal:
     """The one change `action` asks of `params`, or why there is none. `tabu` maps (param, value) to
-    why it is tabu; `gpu_total_bytes` picks vLLM's defaults for unset batch limits."""
+    why it is tabu; `gpu_total_bytes` picks vLLM's defaults for unset batch limits; `running` (requests
+    vLLM ran at once on average, before) is where a concurrency limit that does not bind steps down from."""
     name, notes = action.param, []
     if name == "gpu_memory_utilization" and params.kv_cache_memory_bytes is not None:
         # The operator sized the KV cache in bytes: vLLM ignores the utilization then; move the bytes by
@@ -137,7 +139,7 @@ def propose(
             return NoProposal(f"{name} is not set and vLLM's default is not known: nothing to step from")
         notes.append(f"{name} is not set: stepping from vLLM's default {current}")
     low, high = bounds_of(tunable, bounds or {}, backend, unified, unified_cap)
-    new = _step(tunable, action, current, backend, low, high)
+    new = _from_what_runs(tunable, action, current, running, (low, high), backend, notes)
     if new is None or new == current:
         return NoProposal(
             f"{name} {current} is at its {'lower' if action.direction == 'down' else 'upper'} bound"
@@ -160,9 +162,11 @@ def propose_live(
     bounds: Mapping[str, tuple[float, float]] | None = None,
     tabu: Mapping[tuple[str, Value], str] | None = None,
     gpu_total_bytes: int | None = None,
+    running: float | None = None,
 ) -> Proposal | NoProposal:
     """The one change `action` asks of a live knob whose value is `current` (None: no cap, which
-    behaves as max_num_seqs: vLLM runs no more at once), within its bounds and max_num_seqs."""
+    behaves as max_num_seqs: vLLM runs no more at once), within its bounds and max_num_seqs; a cap
+    above what vLLM ran (`running`) steps down from that, as `propose` does."""
     name, notes = action.param, []
     tunable = LIVE[name]
     seqs = params.max_num_seqs or REGISTRY["max_num_seqs"].default(backend, gpu_total_bytes) or tunable.high
@@ -172,7 +176,7 @@ def propose_live(
     if current is None:
         current = int(seqs)
         notes.append(f"{name} is not set: stepping from max_num_seqs {current} (vLLM runs no more at once)")
-    new = _step(tunable, action, current, backend, low, high)
+    new = _from_what_runs(tunable, action, current, running, (low, high), backend, notes)
     if new is None or new == current:
         return NoProposal(
             f"{name} {current} is at its {'lower' if action.direction == 'down' else 'upper'} bound"
@@ -181,6 +185,36 @@ def propose_live(
     if why_tabu is not None:
         return NoProposal(f"the next value {name}={new} is tabu: {why_tabu}")
     return Proposal(name, old, new, params, tuple(notes), live=True)
+
+
+CONCURRENCY_LIMITS = ("max_num_seqs", "door.max_in_flight")
+
+
+def _from_what_runs(
+    tunable: Tunable,
+    action: StepAction,
+    current: Value,
+    running: float | None,
+    bounds: tuple[float, float],
+    backend: Backend,
+    notes: list[str],
+) -> Value | None:
+    """The step of a concurrency limit: from the limit, unless that step would still not bind (the new
+    limit at or above what vLLM ran at once): then from what ran. Halving a limit that does not bind
+    changes nothing: vLLM's default 1024 sequences on an H200 whose KV cache holds 14 would take six
+    restarts to reach a value that acts. A limit that binds steps as any parameter does."""
+    low, high = bounds
+    new = _step(tunable, action, current, backend, low, high)
+    if tunable.name not in CONCURRENCY_LIMITS or action.direction != "down" or running is None:
+        return new
+    ran = max(1, math.ceil(running))
+    if new is None or ran >= current or new < ran:
+        return new
+    notes.append(
+        f"{tunable.name} {current} does not bind (vLLM ran {running:.1f} requests at once before): "
+        f"stepping from {ran}"
+    )
+    return _step(tunable, action, ran, backend, low, high)
 
 
 def _as_share(action: StepAction, utilization: Value | None) -> StepAction:
