@@ -27,7 +27,7 @@ from tunerd.config import Config, ConfigError, load_all
 from tunerd.config.rules import RuleSet
 from tunerd.control.cache_reset import CacheReset
 from tunerd.control.capacity import CalibrationDone
-from tunerd.control.commands import Commands, refusal
+from tunerd.control.commands import Commands, planner_refusal, refusal
 from tunerd.control.door_link import DOOR_EVENTS, DoorLink
 from tunerd.control.lifecycle import ACTIVE, Lifecycle
 from tunerd.control.prober import Prober
@@ -248,6 +248,8 @@ class Supervisor:
         """Handler thread: validate what can be validated without the loop's state, then enqueue.
         None = accepted; else why not."""
         why = refusal(command, self.config)
+        if why is None and self.lifecycle is not None:
+            why = planner_refusal(command, self.lifecycle)
         if why is None:
             self.events.put(command)
         return why

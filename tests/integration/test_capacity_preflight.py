@@ -4,9 +4,11 @@ with the figures, not a launch; one that fits is started, with the prediction be
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
-from tests.harness import REPO, running_daemon
+from tests.harness import REPO, alive, running_daemon
 from tests.integration.conftest import fake_sections
 
 CONFIGS = REPO / "tests" / "unit" / "model_configs"
@@ -59,3 +61,27 @@ def test_a_configuration_that_fits_is_started_with_its_prediction_and_checks_jou
         calibrated = daemon.wait_event("planner.calibrated")
         assert calibrated["kv_cache_tokens"] == 1952
     assert (daemon.state_dir / "planner-calibration.json").exists()
+
+
+def test_a_restart_to_a_value_the_planner_refuses_is_refused_before_anything_stops(
+    workdir: Path, tiny_model: Path
+) -> None:
+    # On the H200 a `restart --set max_model_len=100000` stopped vLLM, then the preflight refused it.
+    sections = fake_sections(workdir)
+    sections["engine"]["model"] = str(tiny_model)
+    with running_daemon(workdir, sections) as daemon:
+        pid = daemon.wait_state("RUNNING")["engine"]["pid"]
+        after = daemon.last_seq()
+        config = str(daemon.config_path)
+        asked = subprocess.run(
+            [sys.executable, "-m", "tunerd", "restart", "--set", "max_model_len=100000", "--config", config],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert asked.returncode != 0 and "capacity planner refuses" in asked.stdout + asked.stderr, asked
+        assert "max_model_len 100,000" in asked.stdout + asked.stderr
+        assert not [r for r in daemon.records() if r["seq"] > after and r["event"] == "intent"]
+        engine = daemon.status()["engine"]
+        assert (engine["state"], engine["pid"], engine["params"]["max_model_len"]) == ("RUNNING", pid, 512)
+        assert alive(pid)

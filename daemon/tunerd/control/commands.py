@@ -43,6 +43,26 @@ def refusal(command: Command, config: Config) -> str | None:
     return None
 
 
+def planner_refusal(command: Command, life: Lifecycle) -> str | None:
+    """Handler thread: the capacity planner's refusal of a `restart --set`, asked before anything stops.
+    The start's preflight refuses such a value too, but only after vLLM was stopped: on the H200 a
+    `max_model_len` the KV cache cannot hold took the serving engine down (docs/gpu.md). The planner is
+    advice: a failure of its own refuses nothing."""
+    if command.name != "restart" or not command.params:
+        return None
+    current = life.params
+    params = current.replace(**command.params)
+    if params == current:
+        return None
+    try:
+        outcome = life.capacity.check(params)
+    except Exception:  # the preflight asks again, and journals what it finds
+        return None
+    if outcome.refusal is None:
+        return None
+    return f"the capacity planner refuses it (nothing was stopped): {outcome.refusal}"
+
+
 class Commands:
     """Carries out accepted commands on the loop's thread."""
 
