@@ -27,4 +27,5 @@ echo "==> import contract (pyproject.toml [tool.importlinter])"
 echo "==> pytest"
 export TUNERD_REQUIRE_ENGINE=1
 export TUNERD_REQUIRE_SYSTEM=1
+export TUNERD_REQUIRE_PROMTOOL=1  # the alert rules are checked with promtool (fetched if missing)
 exec .venv/bin/pytest --durations=30 tests/unit tests/integration tests/engine tests/system "$@"
