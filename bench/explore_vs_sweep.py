@@ -33,7 +33,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.engine.conftest import real_sections  # noqa: E402
+from tests.engine.conftest import cache_env, make_small_model, real_sections  # noqa: E402
 from tests.harness import Daemon  # noqa: E402
 from tests.load import ClosedLoopLoad  # noqa: E402
 
@@ -152,16 +152,8 @@ def main() -> int:
     parser.add_argument("--window", type=float, default=30.0, help="seconds measured per point")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="explore-vs-sweep-"))
-    model = root / "small"
-    shape = ["--layers", "8", "--hidden", "1024", "--heads", "16", "--kv-heads", "4", "--head-dim", "64"]
-    script = str(REPO / "scripts" / "make-tiny-model.py")
-    subprocess.run([sys.executable, script, str(model), *shape, "--intermediate", "2816"], check=True)
-    cache = {
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_CACHE_ROOT": str(root / "cache" / "vllm"),
-        "TORCHINDUCTOR_CACHE_DIR": str(root / "cache" / "inductor"),
-        "VLLM_NO_USAGE_STATS": "1",
-    }
+    model = make_small_model(root / "small", quiet=False)
+    cache = cache_env(root / "cache")
     (root / "explore").mkdir()
     (root / "sweep").mkdir()
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; work dir {root}")

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -38,7 +37,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.engine.conftest import real_sections  # noqa: E402
+from tests.engine.conftest import cache_env, make_small_model, real_sections  # noqa: E402
 from tests.harness import Daemon, free_port  # noqa: E402
 from tests.load import ClosedLoopLoad  # noqa: E402
 from tunerd.records.journal import parse_time  # noqa: E402
@@ -58,13 +57,6 @@ direction = "down"
 factor = 0.5
 """
 SCENARIOS = {"door cap": ("door.max_in_flight", '["max_num_seqs"]'), "restart": ("max_num_seqs", "[]")}
-
-
-def make_model(target: Path) -> Path:
-    shape = ["--layers", "8", "--hidden", "1024", "--heads", "16", "--kv-heads", "4", "--head-dim", "64"]
-    script = str(REPO / "scripts" / "make-tiny-model.py")
-    subprocess.run([sys.executable, script, str(target), *shape, "--intermediate", "2816"], check=True)
-    return target
 
 
 class Preemptions(threading.Thread):
@@ -164,13 +156,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="relief-"))
-    model = make_model(root / "small")
-    cache = {
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_CACHE_ROOT": str(root / "cache" / "vllm"),
-        "TORCHINDUCTOR_CACHE_DIR": str(root / "cache" / "inductor"),
-        "VLLM_NO_USAGE_STATS": "1",
-    }
+    model = make_small_model(root / "small", quiet=False)
+    cache = cache_env(root / "cache")
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in SCENARIOS}
     for repeat in range(args.repeats):
         for name in SCENARIOS:

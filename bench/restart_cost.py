@@ -29,7 +29,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -37,14 +36,15 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "daemon")]
 
-from tests.engine.conftest import real_sections  # noqa: E402
+from tests.engine.conftest import cache_env, make_small_model, real_sections  # noqa: E402
 from tests.harness import Daemon, free_port  # noqa: E402
+from tunerd.records.journal import parse_time  # noqa: E402
 
 TARGET = 0.05
 
 
 def wall(record: dict) -> float:
-    return datetime.fromisoformat(record["time"].replace("Z", "+00:00")).timestamp()
+    return parse_time(record["time"]).timestamp()
 
 
 def wait_health(url: str, proc: subprocess.Popen[bytes] | None = None, timeout: float = 600) -> float:
@@ -132,16 +132,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="restart-cost-"))
-    model = root / "small"
-    shape = ["--layers", "8", "--hidden", "1024", "--heads", "16", "--kv-heads", "4", "--head-dim", "64"]
-    script = str(REPO / "scripts" / "make-tiny-model.py")
-    subprocess.run([sys.executable, script, str(model), *shape, "--intermediate", "2816"], check=True)
-    cache = {
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_CACHE_ROOT": str(root / "cache" / "vllm"),
-        "TORCHINDUCTOR_CACHE_DIR": str(root / "cache" / "inductor"),
-        "VLLM_NO_USAGE_STATS": "1",
-    }
+    model = make_small_model(root / "small", quiet=False)
+    cache = cache_env(root / "cache")
     sections = real_sections(
         model, cache, engine__params={"max_num_seqs": 16, "kv_cache_memory_bytes": 16_000_000}
     )

@@ -42,16 +42,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=reason))
 
 
-@pytest.fixture(scope="session")
-def vllm_cache(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Compile caches shared by every start in the session: later starts of a shape are ~2x faster."""
-    root = tmp_path_factory.mktemp("vllm-cache")
+def cache_env(root: Path) -> dict[str, str]:
+    """vLLM's environment for starts that share compile caches under `root` (offline, no usage stats)."""
     return {
         "HF_HUB_OFFLINE": "1",
         "VLLM_CACHE_ROOT": str(root / "vllm"),
         "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
         "VLLM_NO_USAGE_STATS": "1",
     }
+
+
+def make_small_model(target: Path, *, quiet: bool = True) -> Path:
+    """A random-weight Qwen3 slow enough on 2 CPU cores that the engine, not the API server, bounds it
+    (the engine tier's and the bench scripts' "small" model)."""
+    shape = ["--layers", "8", "--hidden", "1024", "--heads", "16", "--kv-heads", "4", "--head-dim", "64"]
+    script = str(REPO / "scripts" / "make-tiny-model.py")
+    command = [sys.executable, script, str(target), *shape, "--intermediate", "2816"]
+    subprocess.run(command, check=True, capture_output=quiet)
+    return target
+
+
+@pytest.fixture(scope="session")
+def vllm_cache(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Compile caches shared by every start in the session: later starts of a shape are ~2x faster."""
+    return cache_env(tmp_path_factory.mktemp("vllm-cache"))
 
 
 def real_sections(model: Path, cache_env: dict[str, str], **overrides: dict[str, Any]) -> dict:
@@ -76,19 +90,5 @@ def real_sections(model: Path, cache_env: dict[str, str], **overrides: dict[str,
 
 @pytest.fixture(scope="session")
 def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random-weight Qwen3 slow enough on 2 CPU cores that the engine, not the API server, bounds it."""
-    target = tmp_path_factory.mktemp("models") / "qwen3-small"
-    shape = ["--layers", "8", "--hidden", "1024", "--heads", "16", "--kv-heads", "4", "--head-dim", "64"]
-    subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "scripts" / "make-tiny-model.py"),
-            str(target),
-            *shape,
-            "--intermediate",
-            "2816",
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return target
+    """The "small" model (make_small_model), made once per session."""
+    return make_small_model(tmp_path_factory.mktemp("models") / "qwen3-small")
