@@ -498,3 +498,9 @@ def test_a_concurrency_limit_that_would_not_bind_steps_down_from_what_vllm_ran()
     assert (door.old, door.new) == (None, 7)
     up = action("max_num_seqs", "up", factor=2.0)
     assert proposed(propose(up, EngineParams(max_num_seqs=64), backend="cuda", running=3.0)).new == 128
+
+
+def test_a_limit_over_about_one_running_request_steps_as_any_limit() -> None:
+    # 0.9 running: nothing lies below what ran, so the step is the ordinary one (16 → 8), not "at its bound".
+    halve = action("max_num_seqs", "down", factor=0.5)
+    assert proposed(propose(halve, EngineParams(max_num_seqs=16), backend="cpu", running=0.9)).new == 8

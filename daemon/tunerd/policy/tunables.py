@@ -210,11 +210,14 @@ def _from_what_runs(
     ran = max(1, math.ceil(running))
     if new is None or ran >= current or new < ran:
         return new
+    from_ran = _step(tunable, action, ran, backend, low, high)
+    if from_ran is None:  # nothing below what ran (about one request): the limit steps as any does
+        return new
     notes.append(
         f"{tunable.name} {current} does not bind (vLLM ran {running:.1f} requests at once before): "
         f"stepping from {ran}"
     )
-    return _step(tunable, action, ran, backend, low, high)
+    return from_ran
 
 
 def _as_share(action: StepAction, utilization: Value | None) -> StepAction:
