@@ -83,6 +83,14 @@ def batch_defaults(backend: Backend, gpu_total_bytes: int | None = None) -> tupl
     return 256, 2048
 
 
+def default_block_size(backend: Backend, *, uses_mla: bool = False) -> int:
+    """vLLM's block size when `--block-size` is not passed (`check_and_update_config` in vLLM's
+    platforms/cpu.py and cuda.py, read in 0.32.0): CPU 128 (MLA 16), CUDA 16 (MLA 64)."""
+    if backend == "cpu":
+        return 16 if uses_mla else 128
+    return 64 if uses_mla else 16
+
+
 def _format_value(value: object) -> str:
     if isinstance(value, float):
         return repr(value)

@@ -19,7 +19,7 @@ from typing import Any
 
 from tunerd.core.machine import MemoryFacts
 from tunerd.core.model import ModelInfo
-from tunerd.core.params import Backend, EngineParams
+from tunerd.core.params import Backend, EngineParams, default_block_size
 from tunerd.core.report import StartReport
 from tunerd.core.units import GiB
 from tunerd.planner.device_memory import DEFAULT_GPU_MEMORY_UTILIZATION, utilization_total
@@ -27,7 +27,6 @@ from tunerd.planner.kv_math import (
     KVEstimateUnavailable,
     KVLayout,
     blocks_from_logged_tokens,
-    default_block_size,
     kv_layout,
 )
 
@@ -99,7 +98,7 @@ def calibrate(
     notes: list[str] = []
     if not isinstance(parsed, Calibration):
         parsed = Calibration(**asdict(parsed))
-    block_size = params.block_size or default_block_size(model, backend)
+    block_size = params.block_size or default_block_size(backend, uses_mla=model.uses_mla)
     try:
         layout = kv_layout(model, params.kv_cache_dtype, block_size)
     except KVEstimateUnavailable as exc:

@@ -23,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tunerd.core.model import DTYPE_BYTES, ModelInfo
-from tunerd.core.params import Backend
 
 _FP8_KV = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc")
 
@@ -84,13 +83,6 @@ class KVLayout:
     def bytes_per_block(self) -> int:
         """The pool divisor: the layers' pages summed (`_get_kv_cache_bytes_per_block`, alignment 1)."""
         return self.num_layers * self.page_size_bytes
-
-
-def default_block_size(model: ModelInfo, backend: Backend) -> int:
-    """vLLM's block size when `--block-size` is not given (CPU: 128, CPU MLA: 16; CUDA: 16, MLA: 64)."""
-    if backend == "cpu":
-        return 16 if model.uses_mla else 128
-    return 64 if model.uses_mla else 16
 
 
 def kv_layout(model: ModelInfo, kv_cache_dtype: str | None, block_size: int) -> KVLayout:

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from tunerd.core.machine import MemoryFacts, MemoryKind
 from tunerd.core.model import ModelInfo
-from tunerd.core.params import Backend, EngineParams
+from tunerd.core.params import Backend, EngineParams, default_block_size
 from tunerd.core.units import GiB, bytes_text, gib_text
 from tunerd.planner.calibration import Calibration
 from tunerd.planner.device_memory import memory_kind
@@ -24,7 +24,6 @@ from tunerd.planner.kv_math import (
     KVEstimateUnavailable,
     KVLayout,
     blocks_per_request,
-    default_block_size,
     frontier,
     kv_cache_tokens,
     kv_layout,
@@ -267,7 +266,7 @@ def _assess(
 ) -> PlanVerdict:
     """`assess` without the suggestion (the suggestion re-assesses candidates with this)."""
     kind = memory_kind(backend, memory)
-    block_size = params.block_size or default_block_size(model, backend)
+    block_size = params.block_size or default_block_size(backend, uses_mla=model.uses_mla)
     max_len = params.max_model_len or model.max_model_len or DEFAULT_MAX_MODEL_LEN_WITHOUT_CONFIG
     weights, weights_source = weights_on_device(model, params, kind, calibration)
     reasons = _input_reasons(model, params, kind)

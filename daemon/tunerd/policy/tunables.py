@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tunerd.config.rules import StepAction
-from tunerd.core.params import Backend, EngineParams, batch_defaults
+from tunerd.core.params import Backend, EngineParams, batch_defaults, default_block_size
 
 Value = int | float | bool
 
@@ -39,6 +39,8 @@ class Tunable:
         """What vLLM uses when the flag is not passed; the batch limits depend on the GPU's memory."""
         if self.name in BATCH_LIMITS:
             return batch_defaults(backend, gpu_total_bytes)[BATCH_LIMITS.index(self.name)]
+        if self.name == "block_size":
+            return default_block_size(backend)
         return self.default_cpu if backend == "cpu" else self.default_cuda
 
     def choices(self, backend: Backend) -> tuple[int, ...]:
@@ -55,7 +57,7 @@ REGISTRY: dict[str, Tunable] = {
         Tunable("max_num_seqs", True, 1, 1024),
         Tunable("max_num_batched_tokens", True, 64, 65536),
         Tunable("max_model_len", True, 64, 1 << 20),
-        Tunable("block_size", True, 16, 128, 32, 16, choices_cpu=(32, 64, 128), choices_cuda=(16, 32, 64)),
+        Tunable("block_size", True, 16, 128, choices_cpu=(32, 64, 128), choices_cuda=(16, 32, 64)),
         Tunable("gpu_memory_utilization", False, 0.05, 0.95, default_cpu=0.92, default_cuda=0.92),
         Tunable("kv_cache_memory_bytes", True, 1 << 20, 1 << 50),
         Tunable("enable_chunked_prefill", False, 0, 1, True, True, boolean=True),
