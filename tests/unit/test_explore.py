@@ -136,3 +136,14 @@ def test_two_parameters_cost_the_sum_of_their_steps_not_the_product() -> None:
     assert search.best == {"max_num_seqs": 16, "max_num_batched_tokens": 2048}
     grid = len(ladders["max_num_seqs"]) * len(ladders["max_num_batched_tokens"])
     assert len(visited) <= 16 < grid  # a handful of steps each, against the grid's 54 points
+
+
+def test_block_size_visits_only_the_backends_allowed_values() -> None:
+    # The CPU run of bench/tuner_vs_sweep.py explored block_size 64, then the "midpoint" 91, which vLLM
+    # refuses (a multiple of 32 on CPU): a parameter with choices has no midpoints.
+    values = ladder("block_size", 128, backend="cpu")
+    search = start(
+        ["block_size"], {"block_size": 128}, {"block_size": values}, tolerance=0.03, objective=100.0
+    )
+    _, visited = explore(search, lambda _c: 100.0)
+    assert visited == [("block_size", 64)]

@@ -97,6 +97,7 @@ class Axis:
     direction: int = 0  # +1 / -1 once a step that way improved; 0 while both sides are measured
     anchor: Value | None = None  # set when the steps are done: the midpoints around it are measured
     done: bool = False
+    discrete: bool = False  # the ladder is every allowed value (block_size's choices, booleans): no midpoints
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,10 @@ def start(
             seen = measured.get((p, value))
             if seen is not None and (best_objective is None or seen > best_objective * (1 + tolerance)):
                 center, best[p], best_objective = value, value, seen
-        axes.append(Axis(p, ladders[p], REGISTRY[p].integer and not REGISTRY[p].boolean, center))
+        tunable = REGISTRY[p]
+        # A midpoint of two allowed block sizes is not one (91 between 64 and 128: vLLM refuses it).
+        discrete = tunable.boolean or bool(tunable.choices_cpu or tunable.choices_cuda)
+        axes.append(Axis(p, ladders[p], tunable.integer and not tunable.boolean, center, discrete=discrete))
     return Search(tuple(axes), tolerance, measured, best, best_objective)
 
 
@@ -191,6 +195,8 @@ def _candidate(search: Search, axis: Axis) -> Value | None:
             j = i + side
             if 0 <= j < len(axis.values) and (axis.param, axis.values[j]) not in search.measured:
                 return axis.values[j]
+        return None
+    if axis.discrete:
         return None
     i = axis.values.index(axis.anchor)
     for side in (1, -1):
