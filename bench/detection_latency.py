@@ -19,6 +19,11 @@ Scenarios, each run N times against a fresh `tunerd run` (the same harness the t
     seen   engine.failed's journal time minus the moment a thread of this script, reading the log every
            20 ms, first saw the line: a lower bound (the line was printed at or before that moment).
   and whether engine.failed came before vLLM's process ended (engine.exited), as the test asserts.
+  With --real, each run is followed by the same failing start under what the sweep tools use instead:
+  vLLM's `benchmarks/auto_tune/auto_tune.sh` (`start_server`) checks every 10 s that the server's pid
+  lives (`kill -0`), then `/health`, for at most 60 rounds (10 min). This script runs that loop on a bare
+  vLLM with the same flags and reports when it gives up, from the line first showing in the log (a
+  vLLM that hung instead of exiting would hold it the whole 10 min).
 - engine-kill: SIGKILL of `VLLM::EngineCore` while RUNNING, to engine.failed in the journal (the engine
   lifecycle test checks only that it is noticed and restarted). For information; no target.
 
@@ -49,8 +54,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tests.engine.conftest import real_sections  # noqa: E402
-from tests.harness import Daemon, wait_until  # noqa: E402
+from tests.harness import Daemon, free_port, wait_until  # noqa: E402
 from tests.integration.conftest import fake_sections  # noqa: E402
+from tunerd.core.params import EngineParams  # noqa: E402
 from tunerd.procfs import processes as procfs  # noqa: E402
 from tunerd.records.journal import parse_time  # noqa: E402
 
@@ -159,6 +165,42 @@ def startup_error_run(daemon: Daemon, start_timeout: float) -> Run:
     return run
 
 
+def health_poll_run(model: Path, sections: dict, workdir: Path) -> float:
+    """auto_tune.sh's wait for the same failing start, on a bare vLLM: seconds from the fatal line first
+    showing in the log to the loop giving up (the pid gone, or the 10-minute cap)."""
+    import httpx
+
+    port = free_port()
+    argv = [*sections["engine"]["command"], "--model", str(model), "--port", str(port)]
+    argv += EngineParams(**sections["engine.params"]).to_argv()
+    log = workdir / "bare-vllm.log"
+    env = {**os.environ, **sections["engine.env"]}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    watcher = LineWatcher(log, NEEDLE)
+    watcher.start()
+    try:
+        for _ in range(60):  # for i in {1..60}
+            if proc.poll() is not None:  # kill -0 $server_pid || break
+                break
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    raise SystemExit("the bare vLLM served: the failing flag did not fail")
+            except httpx.HTTPError:
+                pass
+            time.sleep(10)  # sleep 10
+        gave_up = datetime.now(UTC)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        watcher.stop.set()
+        watcher.join(5)
+    if watcher.seen_at is None:
+        raise SystemExit(f"the bare vLLM never printed {NEEDLE!r} (see {log})")
+    return (gave_up - watcher.seen_at).total_seconds()
+
+
 def engine_kill_run(daemon: Daemon, start_timeout: float) -> Run:
     daemon.wait_state("RUNNING", timeout=start_timeout)
     core: list[int] = []
@@ -228,6 +270,7 @@ def main() -> int:
     say(f"detection latency: {what}; {engine}; {repeats} runs; load average {os.getloadavg()[0]:.1f}")
 
     runs: list[Run] = []
+    polled: list[float] = []
     daemon: Daemon | None = None
     try:
         for i in range(repeats):
@@ -249,6 +292,10 @@ def main() -> int:
                 )
                 assert daemon.stop(timeout=120) == 0, daemon.dump()
                 daemon.cleanup()
+                if args.real:
+                    assert model is not None
+                    polled.append(health_poll_run(model, daemon.sections, workdir))
+                    say(f"         auto_tune's /health loop: gave up {polled[-1]:.1f} s after the line")
             else:
                 say(f"  run {i + 1}: {run.kind}; {run.seen_s:.3f} s after the kill")
     finally:
@@ -267,6 +314,8 @@ def main() -> int:
     say(f"from the line's own stamp (upper bound; the stamp has 1 s resolution): {spread(stamps)}")
     say(f"from the line showing in the log (lower bound; 20 ms polls):         {spread(seen)}")
     say(f"journaled before vLLM's process ended: {sum(bool(r.before_exit) for r in runs)}/{len(runs)}")
+    if polled:
+        say(f"auto_tune's /health loop, from the line showing in the log:         {spread(polled)}")
     kinds_ok = all(r.kind == "invalid_block_size" for r in runs)
     if kinds_ok and stamps and p90(stamps) < TARGET_S:
         verdict = "PASS"  # even the upper bound is under the target

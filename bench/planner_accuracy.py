@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """Planner accuracy against real vLLM (CPU build): predicted vs. vLLM-reported, per case, and the error.
 
-Usage: .venv/bin/python bench/planner_accuracy.py [--workdir DIR] [--json FILE]
+Usage: .venv/bin/python bench/planner_accuracy.py [--quick] [--workdir DIR] [--json FILE]
 
 Starts vLLM once per case, sequentially (see `tests/engine/planner_harness.py` for the cases: two tiny
 shapes × three `--kv-cache-memory-bytes` values, one refusal per shape, and the `--gpu-memory-utilization`
 path with one calibration start, one prediction at another utilization and one repeat of the calibration
 start). Each start is read only until vLLM logs its KV cache size (or refuses), then killed. About 6–10
-minutes on 2 cores. Exit status 1 if an exact case (explicit KV bytes, refusal) is not exact.
+minutes on 2 cores (--quick: one explicit-KV case and one refusal). Exit status 1 if an exact case
+(explicit KV bytes, refusal) is not exact.
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, help="models, logs and compile caches (default: a temp dir)")
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
+    parser.add_argument("--quick", action="store_true", help="one explicit-KV case and one refusal")
     args = parser.parse_args(argv)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="planner-accuracy-"))
     started = time.monotonic()
-    results = run_all(workdir, DEFAULT_CASES)
+    quick = ("A-kv-1000000", "A-refuse-4096")
+    results = run_all(workdir, [c for c in DEFAULT_CASES if c.name in quick] if args.quick else DEFAULT_CASES)
     elapsed = time.monotonic() - started
     print(format_table(results))
     print()

@@ -3,7 +3,9 @@ the last one is answered. Used by the engine tier and the bench scripts.
 
 Prompts are cache-cold: token ids drawn from a seeded generator, different for every request, so vLLM's
 prefix cache cannot flatter a figure (a fixed prompt made throughput look 2.32x higher on a Spark,
-vLLM #54227). `ignore_eos` makes every request generate exactly `max_tokens` tokens.
+vLLM #54227). `ignore_eos` makes every request generate exactly `max_tokens` tokens. `prompt_tokens`
+and `max_tokens` are a fixed size or a (low, high) range drawn uniformly per request from the same seeded
+generator: the same seed offers the same sequence of requests (a fixed workload for the bench scripts).
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ class ClosedLoopLoad:
         model: str,
         *,
         clients: int,
-        prompt_tokens: int = 16,
-        max_tokens: int = 400,
+        prompt_tokens: int | tuple[int, int] = 16,
+        max_tokens: int | tuple[int, int] = 400,
         vocab: int = 1000,
         seed: int = 0,
         timeout_s: float = 600.0,
@@ -62,18 +64,21 @@ class ClosedLoopLoad:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
-    def _prompt(self) -> list[int]:
+    def _request(self) -> tuple[list[int], int]:
+        """The next request's prompt (token ids) and its number of tokens to generate."""
         with self._lock:
+            size, generate = (_draw(self._random, s) for s in (self.prompt_tokens, self.max_tokens))
             # Token ids from 10 upwards: the low ids of the tiny model's tokenizer are special tokens.
-            return [self._random.randrange(10, self.vocab) for _ in range(self.prompt_tokens)]
+            return [self._random.randrange(10, self.vocab) for _ in range(size)], generate
 
     def _client(self) -> None:
         with httpx.Client(timeout=self.timeout_s, trust_env=False) as client:
             while not self._stop.is_set():
+                prompt, generate = self._request()
                 body = {
                     "model": self.model,
-                    "prompt": self._prompt(),
-                    "max_tokens": self.max_tokens,
+                    "prompt": prompt,
+                    "max_tokens": generate,
                     "ignore_eos": True,
                     "temperature": 0.0,
                 }
@@ -92,8 +97,8 @@ class ClosedLoopLoad:
                     self._stop.wait(0.5)
                     continue
                 tokens = int(answer.json().get("usage", {}).get("completion_tokens", 0))
-                if tokens != self.max_tokens:  # ignore_eos: a whole answer has exactly max_tokens
-                    self._failed(f"incomplete: {tokens} of {self.max_tokens} tokens")
+                if tokens != generate:  # ignore_eos: a whole answer has exactly max_tokens
+                    self._failed(f"incomplete: {tokens} of {generate} tokens")
                     continue
                 with self._lock:
                     self.stats.ok += 1
@@ -157,3 +162,7 @@ class ClosedLoopLoad:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _draw(generator: random.Random, size: int | tuple[int, int]) -> int:
+    return size if isinstance(size, int) else generator.randint(*size)

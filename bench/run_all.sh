@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Run every benchmark against real vLLM on this machine, then write docs/benchmarks.md and its plots.
+#
+#   bash bench/run_all.sh            # everything, about 2 h on 2 CPU cores
+#   bash bench/run_all.sh --quick    # fewer points, one seed, short windows: every path, ~30 min;
+#                                    # writes under $TMPDIR/tunerd-bench-quick, not docs/
+#
+# Needs the repository's .venv with vLLM (bash scripts/test.sh or scripts/quickstart.sh makes it);
+# installs the plotting extra (matplotlib) into it when missing. Run nothing else heavy beside it: every
+# figure is a ratio measured side by side on this machine, and another load skews both sides unevenly.
+# Each benchmark's output is kept as DIR/NAME.txt (its command on the first line); a benchmark that
+# misses its target exits 1, is reported at the end, and does not stop the others.
+set -uo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$repo"
+
+quick=0
+[ "${1:-}" = --quick ] && quick=1
+py=.venv/bin/python
+if [ ! -x "$py" ]; then
+    echo "run_all: no .venv here; make it first: bash scripts/test.sh (or scripts/quickstart.sh)" >&2
+    exit 2
+fi
+"$py" -c "import vllm" 2>/dev/null || { echo "run_all: vLLM is not installed in .venv" >&2; exit 2; }
+"$py" -c "import matplotlib" 2>/dev/null || .venv/bin/pip install -q -e ".[bench]" || exit 2
+
+if [ $quick = 1 ]; then
+    out=${TMPDIR:-/tmp}/tunerd-bench-quick
+    page=$out/benchmarks.md
+else
+    out=docs/benchmarks
+    page=docs/benchmarks.md
+fi
+mkdir -p "$out"
+failed=()
+
+# bench NAME ARGS...: run bench/NAME.py, its output to the terminal and to $out/NAME.txt.
+bench() {
+    local name=$1
+    shift
+    echo "==> $name $* ($(date -u +%H:%M) UTC)"
+    { echo ".venv/bin/python bench/$name.py $*"; "$py" "bench/$name.py" "$@" 2>&1; } | tee "$out/$name.txt"
+    local status=${PIPESTATUS[0]}
+    [ "$status" = 0 ] || failed+=("$name (exit $status)")
+}
+
+began=$(date +%s)
+if [ $quick = 1 ]; then
+    bench tuner_vs_sweep --quick --ttft-limit 10 --out "$out/tuner_vs_sweep.json"
+    bench restart_cost --repeats 1
+    bench detection_latency --real --repeats 1
+    bench poll_cost --polls 50 --daemon-seconds 20
+    bench planner_accuracy --quick
+else
+    bench tuner_vs_sweep --params 3 --grid-params 2 --seeds 3 --ttft-limit 10 --out "$out/tuner_vs_sweep.json"
+    bench restart_cost --repeats 3
+    bench detection_latency --real --repeats 3
+    bench poll_cost
+    bench planner_accuracy
+fi
+"$py" bench/report.py --dir "$out" --page "$page" || failed+=("report")
+echo "==> done in $((($(date +%s) - began) / 60)) min; the page: $page"
+if [ ${#failed[@]} -gt 0 ]; then
+    printf 'missed or failed: %s\n' "${failed[@]}"
+    exit 1
+fi
