@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Run every benchmark against real vLLM on this machine, then write docs/benchmarks.md and its plots.
 #
-#   bash bench/run_all.sh            # everything, about 2 h on 2 CPU cores
-#   bash bench/run_all.sh --quick    # fewer points, one seed, short windows: every path, ~30 min;
+#   bash bench/run_all.sh            # everything, an estimated 2.5 h on 2 CPU cores (not yet timed)
+#   bash bench/run_all.sh --quick    # fewer points, one seed, short windows: every path, est. 30 min;
 #                                    # writes under $TMPDIR/tunerd-bench-quick, not docs/
 #
 # Needs the repository's .venv with vLLM (bash scripts/test.sh or scripts/quickstart.sh makes it);

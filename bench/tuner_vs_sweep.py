@@ -25,7 +25,8 @@ window), TTFT p95 and ITL p95 (from the histograms' rise), preemptions per secon
   (three), measured. Its restarts are its vLLM starts after the first.
 
 Results go to `--out` (JSON, written after every point: an interrupted run resumes with `--resume`);
-bench/report.py turns them into docs/benchmarks.md and the plots. ~110 min in full, ~20 with --quick.
+bench/report.py turns them into docs/benchmarks.md and the plots. Estimated, not yet timed to the end: about
+110 min in full and 20–30 with --quick on 2 cores, where a vLLM start takes 60–95 s.
 """
 
 from __future__ import annotations
