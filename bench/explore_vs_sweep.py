@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,18 +40,6 @@ VALUES = (1, 2, 3, 4, 6, 8, 11, 16)
 WARMUP_S = 5.0
 PROBE = {"prompt_tokens": 32, "max_tokens": 32, "requests": 8, "concurrency": 4, "timeout_s": 300.0}
 LOAD = {"clients": 16, "prompt_tokens": 16, "max_tokens": 96}
-
-
-def tunerd(daemon: Daemon, *args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "-m", "tunerd", *args, "--config", str(daemon.config_path)],
-        capture_output=True,
-        text=True,
-        timeout=3600,
-    )
-    if done.returncode != 0:
-        raise SystemExit(f"tunerd {' '.join(args)} failed: {done.stdout}{done.stderr}")
-    return done.stdout
 
 
 def sections(model: Path, cache: dict[str, str], start: int, tolerance: float, window: float) -> dict:
@@ -109,7 +96,7 @@ def explore(model: Path, cache: dict[str, str], work: Path, args: argparse.Names
         with load(daemon, model, seed=3):
             time.sleep(WARMUP_S + args.window)  # the live window of the configuration in force fills
             began = time.monotonic()
-            print(tunerd(daemon, "explore", "max_num_seqs"), flush=True)
+            print(daemon.cli("explore", "max_num_seqs"), flush=True)
             minutes = (time.monotonic() - began) / 60
         started = [r for r in daemon.records() if r["event"] == "explore.started"][-1]
         finished = [r for r in daemon.records() if r["event"] == "explore.finished"][-1]
@@ -132,7 +119,7 @@ def sweep(model: Path, cache: dict[str, str], work: Path, args: argparse.Namespa
             for value in sorted(VALUES, key=lambda v: v != args.start):  # the one in force: no restart
                 if value != args.start:
                     mark = daemon.last_seq()
-                    tunerd(daemon, "restart", "--set", f"max_num_seqs={value}")
+                    daemon.cli("restart", "--set", f"max_num_seqs={value}")
                     daemon.wait_event("engine.ready", after_seq=mark, timeout=900)
                     restarts += 1
                 time.sleep(WARMUP_S)

@@ -314,18 +314,6 @@ def tunerd_sections(model: Path, cache: dict[str, str], s: Settings, rules: Path
     return sections
 
 
-def cli(daemon: Daemon, *args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "-m", "tunerd", *args, "--config", str(daemon.config_path)],
-        capture_output=True,
-        text=True,
-        timeout=7200,
-    )
-    if done.returncode != 0:
-        raise SystemExit(f"tunerd {' '.join(args)} failed: {done.stdout}{done.stderr}")
-    return done.stdout
-
-
 def starts(daemon: Daemon) -> list[dict[str, Any]]:
     return [r for r in daemon.records() if r["event"] == "engine.ready"]
 
@@ -415,7 +403,7 @@ def tunerd_run(
                 if name == "3 params" and params < 3:
                     break
                 print(f"  tunerd explore {explored}", flush=True)
-                cli(daemon, "explore", explored)
+                daemon.cli("explore", explored, timeout=7200)
                 time.sleep(s.warmup_s)  # the exploration may have just restarted to its best point
                 phase(daemon, url, s, result, name, began)
                 save()

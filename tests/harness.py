@@ -184,6 +184,19 @@ class Daemon:
         with httpx.Client(transport=transport, timeout=5, trust_env=False) as client:
             return client.post(f"http://tunerd/{name}", json=body or {})
 
+    def cli(self, *args: str, timeout: float = 3600) -> str:
+        """`tunerd ARGS --config <this daemon's>`; its stdout. Exits with its output when it fails (the
+        bench scripts' operator commands)."""
+        done = subprocess.run(
+            [sys.executable, "-m", "tunerd", *args, "--config", str(self.config_path)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if done.returncode != 0:
+            raise SystemExit(f"tunerd {' '.join(args)} failed: {done.stdout}{done.stderr}")
+        return done.stdout
+
     def metrics_text(self) -> str:
         address = (self.state_dir / "export.addr").read_text().strip()
         return httpx.get(f"http://{address}/metrics", timeout=5, trust_env=False).text
