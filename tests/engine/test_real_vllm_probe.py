@@ -146,12 +146,21 @@ def test_exploration_the_tuning_memory_and_the_probe_rule_on_the_small_model(
         )
         tunerd(daemon, "explore", "max_num_seqs")
         two = finished(daemon)[-1]
-        assert two["restarts"] == 0 < one["restarts"] and two["best"] == {"max_num_seqs": best}
+        # The memory knows every point: none is measured again. The one configuration measured afresh is
+        # the one in force, so noise can make a known neighbour beat it: one restart to go there, no more.
+        again = [
+            r for r in daemon.records() if r["event"] == "explore.point" and r["explore"] == two["explore"]
+        ]
+        assert not again, again
+        moved = two["best"] != {"max_num_seqs": best}
+        assert two["restarts"] == int(moved) < one["restarts"], daemon.dump()
         with capsys.disabled():
             print(f"\n$ tunerd explore max_num_seqs\n{first}")
             figures = ", ".join(f"{p['value']}: {p['objective']:.0f} tok/s" for p in points)
             print(f"\nexploration from 2 ({started['objective']:.0f} tok/s): {figures}; best {best};")
-            print(f"  {one['restarts']} restarts, then {two['restarts']} with the tuning memory")
+            print(
+                f"  {one['restarts']} restarts, then {two['restarts']} with the tuning memory ({two['best']})"
+            )
 
         # The probe's 30 % rule: a heavy live load makes the periodic probe slow.
         probe = {**sections["probe"], "interval_s": 8.0, "skip_when_running_above": 1000.0}

