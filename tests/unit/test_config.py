@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tunerd.config import Config, ConfigError, load_config, parse_config
+from tunerd.config import Config, ConfigError, EngineConfig, load_config, parse_config
 from tunerd.core.params import EngineParams
 
 MINIMAL = '[engine]\nmodel = "/models/qwen3-tiny"\n'
@@ -236,3 +236,20 @@ def test_a_probe_longer_than_the_context_is_refused_at_load() -> None:
     (problem,) = _problems(data)
     assert "probe: prompt_tokens + max_tokens = 256 is over engine.params.max_model_len 200" in problem
     assert parse_config({**data, "probe": {"enabled": False}}).probe.enabled is False
+
+
+@pytest.mark.parametrize(
+    ("extra", "value"),
+    [
+        ([], None),
+        (["--dtype", "float32"], "float32"),
+        (["--dtype=half"], "half"),
+        (["--dtype", "bfloat16", "--seed", "1", "--dtype=float32"], "float32"),  # the last one wins
+        (["--seed", "1"], None),
+        (["--dtype"], None),  # no value: vLLM refuses the line, the planner keeps its own choice
+        (["--dtype-x", "float32"], None),
+    ],
+)
+def test_extra_flag_reads_a_flag_vllm_is_given_in_extra_args(extra: list[str], value: str | None) -> None:
+    engine = EngineConfig(model="/models/m", extra_args=extra)
+    assert engine.extra_flag("dtype") == value

@@ -23,7 +23,7 @@ from tunerd.observe.machine_facts import build_memory_facts, node_memory
 from tunerd.observe.model.directory import load_model_info, read_safetensors_header
 from tunerd.observe.model.info import model_info_from_config
 from tunerd.observe.model.weights import estimate_parameters, parse_quantization
-from tunerd.planner.calibration import Calibration, calibrate, combine_calibrations
+from tunerd.planner.calibration import Calibration, calibrate, calibration_key, combine_calibrations
 from tunerd.planner.checks import preflight_checks
 from tunerd.planner.kv_math import (
     KVEstimateUnavailable,
@@ -348,6 +348,31 @@ def test_quantized_checkpoint_weights_by_dtype(tmp_path: Path) -> None:
     assert w is not None
     assert w.checkpoint_bytes == 128 * 128 * 2 + 128 * 4
     assert w.loaded_bytes == 128 * 128 * 2 + 128 * 2  # the F32 norm is cast to bf16
+
+
+def test_dtype_vllm_is_told_sizes_the_weights_the_kv_cache_and_the_calibration(tmp_path: Path) -> None:
+    # The bench serves the small model with --dtype float32 (bf16 crawls on CPUs without AVX-512): vLLM
+    # then held 1,920 KV tokens in 32 MB where a bf16 plan said 3,840.
+    (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
+    _write_header_only(tmp_path / "model.safetensors", {"w": ("BF16", [128, 128]), "norm": ("F32", [128])})
+    auto, wide = load_model_info(tmp_path, dtype="auto"), load_model_info(tmp_path, dtype="torch.float32")
+    assert auto.dtype == load_model_info(tmp_path).dtype == "bfloat16" and wide.dtype == "float32"
+    assert auto.weights is not None and wide.weights is not None
+    assert wide.weights.loaded_bytes == (128 * 128 + 128) * 4 == 2 * auto.weights.loaded_bytes
+    assert kv_bytes_per_token(wide) == 2 * kv_bytes_per_token(auto)
+    params = EngineParams(max_num_seqs=8)
+    assert calibration_key(wide, params, "cpu") != calibration_key(auto, params, "cpu")
+
+
+def test_a_calibration_of_another_dtype_is_not_borrowed(tmp_path: Path) -> None:
+    auto = model_info_from_config(TINY_CONFIG)
+    wide = model_info_from_config(TINY_CONFIG, dtype="float32")
+    params = EngineParams(max_num_seqs=16)
+    store = CalibrationStore(tmp_path)
+    cal = Calibration(kv_cache_tokens=1_920, non_kv_low=10, non_kv_high=20, non_kv_bytes=15, samples=1)
+    store.put(auto, params, "cpu", cal, now=1.0)
+    assert store.get(auto, params.replace(max_num_seqs=8), "cpu") is not None  # another configuration
+    assert store.get(wide, params, "cpu") is None  # the weights differ in size: nothing to borrow
 
 
 def test_safetensors_header_is_read_without_the_data(tmp_path: Path) -> None:

@@ -114,7 +114,7 @@ def _model_for(args: argparse.Namespace, config: Config | None) -> ModelInfo:
     """The model directory read into a `ModelInfo` (`--model`, else the config's `engine.model`)."""
     directory = args.model if args.model is not None else config.engine.model if config else ""
     try:
-        return load_model_info(directory)
+        return load_model_info(directory, dtype=config.engine.extra_flag("dtype") if config else None)
     except ModelInfoError as exc:
         raise _Refusal(str(exc), EX_USAGE if args.model is not None else EX_CONFIG) from None
 

@@ -74,6 +74,18 @@ class EngineConfig(_Section):
                 raise ValueError(f"{flag} is managed by tunerd: set it in [engine] or [engine.params]")
         return value
 
+    def extra_flag(self, name: str) -> str | None:
+        """The value `extra_args` gives vLLM's `--name` (`--name V` or `--name=V`, `_` or `-`; the last
+        one wins, as in vLLM's parser), or None when it is not there."""
+        found = None
+        args = self.extra_args
+        for i, arg in enumerate(args):
+            flag, eq, value = arg.partition("=")
+            if flag.replace("_", "-") != f"--{name.replace('_', '-')}":
+                continue
+            found = value if eq else (args[i + 1] if i + 1 < len(args) else None)
+        return found
+
 
 class TimeoutsConfig(_Section):
     startup_s: PositiveSeconds = 900.0

@@ -104,18 +104,21 @@ class Capacity:
         self.config = config
         self.store = CalibrationStore(config.paths.state_dir)
         self._model: ModelInfo | None = None
-        self._model_key: tuple[str, float] | None = None
+        self._model_key: tuple[str, float, str | None] | None = None
         self._checked = False  # the operator's preflight checks are journaled once, before the first start
 
     def model(self) -> ModelInfo | None:
-        """The model's description, re-read when its config.json changes; None when not a readable dir."""
+        """The model's description in the dtype vLLM is told to serve it in (`--dtype` in extra_args: the
+        weights and the KV cache follow it), re-read when its config.json changes; None when not a
+        readable directory."""
         path = Path(self.config.engine.model)
+        dtype = self.config.engine.extra_flag("dtype")
         try:
-            key = (str(path), (path / "config.json").stat().st_mtime)
+            key = (str(path), (path / "config.json").stat().st_mtime, dtype)
         except OSError:
             return None
         if key != self._model_key:
-            self._model, self._model_key = load_model_info(path), key
+            self._model, self._model_key = load_model_info(path, dtype=dtype), key
         return self._model
 
     def check(self, params: EngineParams) -> PlanOutcome:

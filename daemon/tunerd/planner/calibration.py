@@ -211,13 +211,14 @@ def calibration_key(model: ModelInfo, params: EngineParams, backend: Backend) ->
 
     Non-KV memory depends on the batch shape (max_num_seqs, max_num_batched_tokens → activation peak,
     sampler buffers, CUDA-graph sizes), chunked prefill (changes the batched-token default), CPU offload
-    (weights leave the device) and the block tables (max_num_seqs × cdiv(max_model_len, block_size) int32
-    entries: 32 MiB at 1024 sequences of 128k tokens). Utilization and KV dtype only move the KV part, so
-    starts at different utilizations share a key.
+    (weights leave the device), the serving dtype (the weights' size) and the block tables (max_num_seqs ×
+    cdiv(max_model_len, block_size) int32 entries: 32 MiB at 1024 sequences of 128k tokens). Utilization
+    and KV dtype only move the KV part, so starts at different utilizations share a key.
     """
     parts = [
         model.identity,
         backend,
+        f"dtype={model.dtype}",
         f"len={params.max_model_len}",
         f"block={params.block_size}",
         f"seqs={params.max_num_seqs}",
@@ -235,11 +236,11 @@ def pick_calibration(
     backend: Backend,
 ) -> Calibration | None:
     """From stored calibration records (key → records, oldest first): the combined calibration of this
-    configuration, else the newest of the same model and backend (with a note saying so), else None."""
+    configuration, else the newest of the same model, backend and dtype (with a note saying so), else None."""
     key = calibration_key(model, params, backend)
     if entries.get(key):
         return combine_calibrations([Calibration.from_json(r) for r in entries[key]])
-    prefix = f"{model.identity}|{backend}|"
+    prefix = f"{model.identity}|{backend}|dtype={model.dtype}|"
     others = [k for k in entries if k.startswith(prefix) and entries[k]]
     if not others:
         return None
@@ -247,4 +248,4 @@ def pick_calibration(
     cal = combine_calibrations([Calibration.from_json(r) for r in entries[newest]])
     if cal is None:
         return None
-    return replace(cal, notes=(*cal.notes, f"from another configuration ({newest.split('|', 2)[2]})"))
+    return replace(cal, notes=(*cal.notes, f"from another configuration ({newest.split('|', 3)[3]})"))

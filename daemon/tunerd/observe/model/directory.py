@@ -126,8 +126,9 @@ def _read_weights(
     return None
 
 
-def load_model_info(model_dir: str | Path) -> ModelInfo:
-    """Read a local model directory into a `ModelInfo` (config.json + safetensors headers only).
+def load_model_info(model_dir: str | Path, *, dtype: str | None = None) -> ModelInfo:
+    """Read a local model directory into a `ModelInfo` (config.json + safetensors headers only), served
+    in `dtype` (vLLM's `--dtype`; None or "auto": the dtype vLLM picks from the config).
 
     Raises `ModelInfoError` with a one-line reason (naming the path) when the directory, its config or a
     weight header can't be read. Without readable weights the size is estimated from the config.
@@ -136,7 +137,7 @@ def load_model_info(model_dir: str | Path) -> ModelInfo:
     config, config_bytes = _read_config(root)
     tokenizer_config = _read_json(root / "tokenizer_config.json")
     quant = parse_quantization(config)
-    serving = resolve_serving_dtype(config_dtype(config))
+    serving = resolve_serving_dtype(config_dtype(config), dtype)
     files, index = _weight_files(root)
     weights = _read_weights(root, files, index, serving, quant)
     return model_info_from_config(
@@ -145,6 +146,7 @@ def load_model_info(model_dir: str | Path) -> ModelInfo:
         tokenizer_config=tokenizer_config,
         weights=weights,
         identity=model_identity(config_bytes, _file_sizes(root, files)),
+        dtype=dtype,
     )
 
 

@@ -43,12 +43,16 @@ def config_dtype(config: Mapping[str, Any]) -> str | None:
     )
 
 
-def resolve_serving_dtype(config_dtype: str | None) -> str:
-    """The dtype vLLM serves in with `--dtype auto`.
+def resolve_serving_dtype(config_dtype: str | None, requested: str | None = None) -> str:
+    """The dtype vLLM serves in: `requested` (its `--dtype`) when it names one, else what `--dtype auto`
+    picks.
 
     vLLM `_resolve_auto_dtype`: a float32 (or missing, which vLLM reads as float32) config dtype is
     downcast to the platform's preferred dtype, bfloat16 on current GPUs and x86 CPUs.
     """
+    requested = normalize_dtype(requested)
+    if requested in DTYPE_BYTES:
+        return requested
     if config_dtype in (None, "float32", "float64"):
         return "bfloat16"
     if config_dtype not in DTYPE_BYTES:

@@ -202,13 +202,15 @@ def model_info_from_config(
     tokenizer_config: Mapping[str, Any] | None = None,
     weights: WeightsInfo | None = None,
     identity: str | None = None,
+    dtype: str | None = None,
 ) -> ModelInfo:
-    """Build a `ModelInfo` from a parsed `config.json` (pure). Without `weights`, the weight bytes are
-    estimated from the dimensions where that is possible (dense models), else left None."""
+    """Build a `ModelInfo` from a parsed `config.json` (pure), served in `dtype` (vLLM's `--dtype`; None
+    or "auto": vLLM's choice). Without `weights`, the weight bytes are estimated from the dimensions
+    where that is possible (dense models), else left None."""
     text = text_config(config)
     model_type = str(text.get("model_type") or config.get("model_type") or "")
     declared_dtype = config_dtype(config)
-    serving = resolve_serving_dtype(declared_dtype)
+    serving = resolve_serving_dtype(declared_dtype, dtype)
     layers = int(text.get("num_hidden_layers") or text.get("n_layer") or text.get("num_layers") or 0)
     heads = int(first_key(text, ("num_attention_heads", "n_head")) or 0)
     hidden = int(first_key(text, ("hidden_size", "n_embd", "d_model")) or 0)
