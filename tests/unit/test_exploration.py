@@ -59,6 +59,7 @@ class ProbeSim:
     sim: ExploreRig | None = None
     wedged: bool = False
     calls: int = 0
+    ttft_per_seq_s: float | None = None  # TTFT p95 = this × max_num_seqs (a queue that grows with it)
 
     def __call__(self, run_id: int, base_url: str, model: str, cfg: ProbeConfig, **_: Any) -> ProbeResult:
         self.calls += 1
@@ -69,9 +70,12 @@ class ProbeSim:
         rate = peak_at_8(run.params.max_num_seqs or 256) if tokens else None
         seconds = tokens / rate if rate else cfg.timeout_s
         errors = tuple("timeout" for _ in range(cfg.requests)) if self.wedged else ()
+        seqs = run.params.max_num_seqs or 256
+        ttft_p95 = 0.08 if self.ttft_per_seq_s is None else self.ttft_per_seq_s * seqs
         return ProbeResult(
             run_id, self.calls, "2026-12-01T12:00:00Z", seconds, cfg.requests, cfg.requests - len(errors),
-            errors, tokens, rate, 0.05, 0.08, 0.01, 0.012, cfg.prompt_tokens, cfg.max_tokens, cfg.concurrency,
+            errors, tokens, rate, 0.05, ttft_p95, 0.01, 0.012, cfg.prompt_tokens, cfg.max_tokens,
+            cfg.concurrency,
         )  # fmt: skip
 
 
@@ -268,6 +272,25 @@ def test_a_point_whose_start_fails_is_infeasible_tabu_and_the_search_goes_on(tmp
     assert finished["best"] == {"max_num_seqs": 23} and sim.params().max_num_seqs == 23
     bad = {(p, v) for p, v, _ in sim.tuner.recall.bad_values()}  # type: ignore[union-attr]
     assert ("max_num_seqs", 16) in bad  # the memory knows it for the next start
+
+
+def test_from_a_start_over_the_latency_limit_the_search_walks_to_the_limit_and_past_it(
+    tmp_path: Path,
+) -> None:
+    # bench/tuner_vs_sweep.py, seed 1: vLLM's defaults broke the TTFT limit, so did every neighbour, and
+    # an exploration with nothing feasible to rank stood still at the defaults.
+    sim = make_explorer(tmp_path, ttft_p95_max_s=0.5)
+    assert sim.probe is not None
+    sim.probe.ttft_per_seq_s = 0.1  # 32 → 3.2 s: 6.4× the limit; only 4 and below meet it
+    finished = sim.explore("max_num_seqs")
+    started = sim.rig.last("explore.started")
+    assert started["objective"] is None and started["limit_excess"] == pytest.approx(6.4)
+    points = [(p["value"], p["objective"], p["limit_excess"]) for p in sim.rig.records("explore.point")]
+    assert [v for v, _, _ in points][:4] == [64, 16, 8, 4]  # down while the excess falls, to a feasible 4
+    assert points[1][1] is None and points[1][2] == pytest.approx(3.2)
+    assert points[3][1] == pytest.approx(peak_at_8(4)) and points[3][2] is None
+    assert finished["best"] == {"max_num_seqs": 4} and sim.params().max_num_seqs == 4
+    assert finished["objective"] == pytest.approx(peak_at_8(4)) and finished["limit_excess"] is None
 
 
 def test_known_bad_values_start_on_the_tabu_list_and_old_versions_become_hints(tmp_path: Path) -> None:

@@ -6,9 +6,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from tunerd.policy.explore import Search, ladder, midpoint, start
+from tunerd.policy.explore import Search, ladder, limit_excess, midpoint, start
 
 Surface = Callable[[dict[str, object]], float | None]
+Scored = tuple[float | None, float | None]  # (objective, limit excess)
 
 
 def explore(search: Search, surface: Surface, limit: int = 200) -> tuple[Search, list[tuple[str, object]]]:
@@ -147,3 +148,75 @@ def test_block_size_visits_only_the_backends_allowed_values() -> None:
     )
     _, visited = explore(search, lambda _c: 100.0)
     assert visited == [("block_size", 64)]
+
+
+def ttft_surface(ttft_of: Callable[[int], float], limit: float) -> Callable[[dict[str, object]], Scored]:
+    """A point's (objective, limit excess): throughput 100·n while TTFT meets `limit`, else infeasible."""
+
+    def surface(config: dict[str, object]) -> Scored:
+        n = int(config["max_num_seqs"])  # type: ignore[call-overload]
+        ttft = ttft_of(n)
+        excess = limit_excess(ttft, None, ttft_max=limit, itl_max=None)
+        return (100.0 * n if excess is None else None), excess
+
+    return surface
+
+
+def explore_scored(search: Search, surface: Callable[[dict[str, object]], Scored]) -> tuple[Search, list]:
+    visited: list[tuple[str, object]] = []
+    while True:
+        search, point = search.next_point()
+        if point is None:
+            return search, visited
+        assert point not in visited, f"{point} measured twice"
+        visited.append(point)
+        objective, excess = surface({**search.best, point[0]: point[1]})
+        search = search.record(point[0], point[1], objective, excess)
+
+
+def test_limit_excess_is_the_worst_limit_broken_and_none_within_the_limits() -> None:
+    assert limit_excess(19.5, 0.1, ttft_max=10.0, itl_max=0.2) == 1.95
+    assert limit_excess(5.0, 0.5, ttft_max=10.0, itl_max=0.2) == 2.5
+    assert limit_excess(9.9, 0.19, ttft_max=10.0, itl_max=0.2) is None
+    assert limit_excess(99.0, 9.0, ttft_max=None, itl_max=None) is None
+
+
+def test_a_start_over_the_latency_limit_moves_towards_the_limit_until_a_point_meets_it() -> None:
+    # bench/tuner_vs_sweep.py, seed 1: the defaults broke the TTFT limit (19.5 s against 10 s), every
+    # point the exploration tried broke it too, and with nothing feasible to rank tunerd stood still.
+    surface = ttft_surface(lambda n: 0.6 * n, limit=10.0)  # fewer sequences queue less: TTFT falls with n
+    objective, excess = surface({"max_num_seqs": 32})
+    assert objective is None and excess is not None
+    values = ladder("max_num_seqs", 32, backend="cpu", bounds={"max_num_seqs": (1, 256)})
+    search = start(
+        ["max_num_seqs"], {"max_num_seqs": 32}, {"max_num_seqs": values},
+        tolerance=0.05, objective=objective, excess=excess,
+    )  # fmt: skip
+    search, visited = explore_scored(search, surface)
+    assert ("max_num_seqs", 16) in visited and ("max_num_seqs", 64) in visited
+    assert search.best == {"max_num_seqs": 16} and search.best_objective == 1600.0  # 9.6 s: feasible
+    assert search.best_excess is None
+
+
+def test_when_nothing_meets_the_limit_the_least_excess_wins_and_a_failure_never_does() -> None:
+    def surface(config: dict[str, object]) -> Scored:
+        n = int(config["max_num_seqs"])  # type: ignore[call-overload]
+        if n >= 64:
+            return None, None  # these starts fail (out of memory)
+        return None, limit_excess(10.0 + abs(n - 8), None, ttft_max=5.0, itl_max=None)  # 2.0× at best
+
+    values = ladder("max_num_seqs", 32, backend="cpu", bounds={"max_num_seqs": (1, 64)})
+    search = start(
+        ["max_num_seqs"], {"max_num_seqs": 32}, {"max_num_seqs": values},
+        tolerance=0.05, objective=None, excess=surface({"max_num_seqs": 32})[1],
+    )  # fmt: skip
+    search, visited = explore_scored(search, surface)
+    assert visited[0] == ("max_num_seqs", 64) and search.measured[("max_num_seqs", 64)] is None
+    assert search.best == {"max_num_seqs": 8} and search.best_objective is None
+    assert search.best_excess == 2.0
+
+
+def test_a_feasible_best_is_never_traded_for_an_infeasible_point() -> None:
+    search = seqs_search(16, 1600.0)
+    moved = search.record("max_num_seqs", 32, None, 1.01)
+    assert moved.best == {"max_num_seqs": 16} and moved.best_objective == 1600.0

@@ -214,7 +214,7 @@ def _plan(record: Record) -> str:
     )
     lines = [
         f"exploration {record.get('explore')}: the configuration in force measures "
-        f"{_rate(objective)} ({source})"
+        f"{_rate(objective, record.get('limit_excess'))} ({source})"
     ]
     if record.get("recall"):
         lines.append(f"  trying the tuning memory's best configuration: {record['recall']}")
@@ -232,7 +232,8 @@ def _point(record: Record) -> str:
         verdict = "kept" if record.get("kept") else "lost"
         return f"  recalled configuration: {_rate(record.get('objective'))} ({verdict})"
     return (
-        f"  {record.get('param')} = {record.get('value')}: {_rate(record.get('objective'))}; "
+        f"  {record.get('param')} = {record.get('value')}: "
+        f"{_rate(record.get('objective'), record.get('limit_excess'))}; "
         f"best so far {record.get('best')}"
     )
 
@@ -240,10 +241,15 @@ def _point(record: Record) -> str:
 def _finished(record: Record) -> str:
     return (
         f"exploration {record.get('explore')} finished ({record.get('reason')}): best "
-        f"{record.get('best')} at {_rate(record.get('objective'))}; {record.get('points')} points measured, "
+        f"{record.get('best')} at {_rate(record.get('objective'), record.get('limit_excess'))}; "
+        f"{record.get('points')} points measured, "
         f"{record.get('restarts')} restarts"
     )
 
 
-def _rate(value: Any) -> str:
-    return "infeasible (failed or over a latency limit)" if value is None else f"{value:.1f} tok/s"
+def _rate(value: Any, excess: Any = None) -> str:
+    if value is not None:
+        return f"{value:.1f} tok/s"
+    if excess is not None:
+        return f"infeasible ({excess:.2f}× its latency limit)"
+    return "infeasible (failed or over a latency limit)"

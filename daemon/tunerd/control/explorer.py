@@ -42,7 +42,7 @@ from tunerd.core.params import EngineParams
 from tunerd.engine.process import EngineRun
 from tunerd.observe.probe import ProbeResult
 from tunerd.policy.evidence import WindowStats
-from tunerd.policy.explore import Search, Source, ladder, objective_source, scored, start
+from tunerd.policy.explore import Search, Source, ladder, limit_excess, objective_source, scored, start
 from tunerd.policy.tunables import REGISTRY, Value
 from tunerd.records.recorder import Recorder
 
@@ -138,6 +138,7 @@ class Explorer:
         live = self.window(ex.since - self.config().tuning.window_s, ex.since)
         ex.source = objective_source(live)
         objective, _ = scored(ex.source, self._probe_objective(result), live)
+        excess = self._limit_excess(result)
         if ex.recall is not None:
             self._recall_start(ex, result, objective, live)
             return
@@ -166,7 +167,13 @@ class Explorer:
             if name in ex.params:
                 known.setdefault((name, value), None)  # known-bad: never measured, never chosen
         ex.search = start(
-            ex.params, current, ladders, tolerance=tuning.explore_tolerance, objective=objective, known=known
+            ex.params,
+            current,
+            ladders,
+            tolerance=tuning.explore_tolerance,
+            objective=objective,
+            known=known,
+            excess=excess,
         )
         budget = self.memory.budget().left
         self.rec.record(
@@ -176,6 +183,7 @@ class Explorer:
             trigger=ex.reason,
             ladders={k: list(v) for k, v in ladders.items()},
             objective=objective,
+            limit_excess=excess,
             objective_source=ex.source,
             probe=result.as_dict(),
             live=live.as_dict() if live is not None else None,
@@ -268,17 +276,23 @@ class Explorer:
             return
         if ex.point is None or ex.search is None:
             return
-        self._record_point(ex, objective, figures, **extra)
+        excess = self._limit_excess(result) if result is not None else None
+        self._record_point(ex, objective, figures, excess=excess, **extra)
         self.life.end_trial(keep=True, reason="exploration point measured", promote=False)
         self._next(now)
 
     def _record_point(
-        self, ex: Exploration, objective: float | None, figures: dict[str, Any], **extra: Any
+        self,
+        ex: Exploration,
+        objective: float | None,
+        figures: dict[str, Any],
+        excess: float | None = None,
+        **extra: Any,
     ) -> None:
         assert ex.point is not None and ex.search is not None
         name, value = ex.point
-        ex.search = ex.search.record(name, value, objective)
-        entry = {"param": name, "value": value, "objective": objective}
+        ex.search = ex.search.record(name, value, objective, excess)
+        entry = {"param": name, "value": value, "objective": objective, "limit_excess": excess}
         ex.measured.append(entry)
         if self.recall is not None:
             self.recall.point(
@@ -298,6 +312,15 @@ class Explorer:
         if tuning.itl_p95_max_s is not None and (result.itl_p95 or 0) > tuning.itl_p95_max_s:
             return None
         return result.throughput
+
+    def _limit_excess(self, result: ProbeResult) -> float | None:
+        """How far the probe broke its worst latency limit (observed / limit), None when it broke none."""
+        tuning = self.config().tuning
+        if result.errors:
+            return None
+        return limit_excess(
+            result.ttft_p95, result.itl_p95, ttft_max=tuning.ttft_p95_max_s, itl_max=tuning.itl_p95_max_s
+        )
 
     # -- a recall: one configuration from the tuning memory -----------------------------------------
 
@@ -392,6 +415,7 @@ class Explorer:
             reason=why,
             best=best,
             objective=ex.search.best_objective if ex.search is not None else None,
+            limit_excess=ex.search.best_excess if ex.search is not None else None,
             points=len(ex.measured),
             restarts=ex.restarts,
             params=self.life.params,

@@ -6,9 +6,12 @@ For each parameter in turn, from the best configuration found so far:
 2. shrink the step: measure the midpoints between the best ladder value and its two neighbours;
 3. stop: nothing improved by more than the tolerance.
 So an exploration of N parameters costs about the sum of their steps, not their product (the grid
-sweep's). A point that fails (its start fails, a latency limit breaks) is infeasible (None) and never
-chosen; a point already measured (in this search, or known from an earlier one under the same load)
-is not measured again.
+sweep's). A point that fails (its start fails, a latency limit breaks) is infeasible (None); a feasible
+point always beats it. While no feasible point is known, the search still has a direction: a point that
+breaks the limit by less (`limit_excess`, by more than the tolerance) is the better one, so a
+configuration in force that already breaks the limit is left towards the limit instead of standing
+still. A point already measured (in this search, or known from an earlier one under the same load) is
+not measured again.
 
 The objective is the probe's generation throughput — unless live traffic saturated the engine in the
 window before the search's first probe: then the live window's throughput (all traffic, the probe's
@@ -46,6 +49,20 @@ def scored(source: Source, probe: float | None, live: WindowStats | None) -> tup
     if probe is None or source == "probe" or live is None:
         return probe, "probe"
     return live.throughput.median, "live"
+
+
+def limit_excess(
+    ttft_p95: float | None,
+    itl_p95: float | None,
+    *,
+    ttft_max: float | None,
+    itl_max: float | None,
+) -> float | None:
+    """How far a point breaks its worst latency limit (observed / limit, above 1), None when it breaks
+    none (or none is set)."""
+    ratios = [value / limit for value, limit in ((ttft_p95, ttft_max), (itl_p95, itl_max)) if value and limit]
+    worst = max(ratios, default=0.0)
+    return worst if worst > 1 else None
 
 
 def ladder(
@@ -102,13 +119,15 @@ class Axis:
 
 @dataclass(frozen=True)
 class Search:
-    """A whole exploration: the axes in order and every measurement (objective; None: infeasible)."""
+    """A whole exploration: the axes in order and every measurement (objective; None: infeasible, with
+    its limit excess when it served but broke a latency limit)."""
 
     axes: tuple[Axis, ...]
     tolerance: float
     measured: Mapping[tuple[str, Value], float | None] = field(default_factory=dict)
     best: Mapping[str, Value] = field(default_factory=dict)  # the best configuration so far
     best_objective: float | None = None
+    best_excess: float | None = None  # while the best is infeasible: how far it breaks its limit
 
     @property
     def done(self) -> bool:
@@ -125,21 +144,33 @@ class Search:
             search = search._replace_axis(axis, _next_stage(axis))
         return search, None
 
-    def record(self, param: str, value: Value, objective: float | None) -> Search:
-        """Fold one measurement in (None: infeasible). It moves the best only when it improves the
-        objective by more than the tolerance."""
+    def record(
+        self, param: str, value: Value, objective: float | None, excess: float | None = None
+    ) -> Search:
+        """Fold one measurement in (None: infeasible; `excess`: how far it broke a latency limit). It
+        moves the best only when it is better by more than the tolerance (`improves`)."""
         search = replace(self, measured={**self.measured, (param, value): objective})
         axis = _current(search)
-        if axis is None or axis.param != param or objective is None:
-            return search
-        base = search.best_objective
-        if base is not None and objective <= base * (1 + self.tolerance):
+        if axis is None or axis.param != param or not search.improves(objective, excess):
             return search
         side = 1 if float(value) > float(axis.center) else -1
         moved = replace(axis, center=value, direction=axis.direction or side)
         return replace(
-            search._replace_axis(axis, moved), best={**search.best, param: value}, best_objective=objective
+            search._replace_axis(axis, moved),
+            best={**search.best, param: value},
+            best_objective=objective,
+            best_excess=excess if objective is None else None,
         )
+
+    def improves(self, objective: float | None, excess: float | None) -> bool:
+        """Feasible first: a feasible point beats an infeasible best, two feasible ones compare by
+        objective; while the best is infeasible, a point that served but broke its limit beats it by
+        breaking it less (or beats a best that did not serve at all). A failed point never improves."""
+        if objective is not None:
+            return self.best_objective is None or objective > self.best_objective * (1 + self.tolerance)
+        if self.best_objective is not None or excess is None:
+            return False
+        return self.best_excess is None or excess < self.best_excess * (1 - self.tolerance)
 
     def _replace_axis(self, old: Axis, new: Axis) -> Search:
         return replace(self, axes=tuple(new if a is old else a for a in self.axes))
@@ -153,11 +184,13 @@ def start(
     tolerance: float,
     objective: float | None,
     known: Mapping[tuple[str, Value], float | None] | None = None,
+    excess: float | None = None,
 ) -> Search:
-    """A search over `params` from the `current` configuration and its measured `objective`. `known`
-    measurements (tuning memory, under a comparable load) count as measured, and the best known value of
-    a parameter, when it beats the current one by more than the tolerance, is where its axis starts:
-    the best known configuration is the first proposal."""
+    """A search over `params` from the `current` configuration and its measured `objective` (None:
+    infeasible; `excess`: how far it broke a latency limit). `known` measurements (tuning memory, under a
+    comparable load) count as measured, and the best known value of a parameter, when it beats the
+    current one by more than the tolerance, is where its axis starts: the best known configuration is
+    the first proposal."""
     measured: dict[tuple[str, Value], float | None] = dict(known or {})
     for p in params:
         measured[(p, current[p])] = objective
@@ -173,7 +206,8 @@ def start(
         # A midpoint of two allowed block sizes is not one (91 between 64 and 128: vLLM refuses it).
         discrete = tunable.boolean or bool(tunable.choices_cpu or tunable.choices_cuda)
         axes.append(Axis(p, ladders[p], tunable.integer and not tunable.boolean, center, discrete=discrete))
-    return Search(tuple(axes), tolerance, measured, best, best_objective)
+    best_excess = excess if best_objective is None else None
+    return Search(tuple(axes), tolerance, measured, best, best_objective, best_excess)
 
 
 def _current(search: Search) -> Axis | None:
