@@ -293,6 +293,18 @@ def test_from_a_start_over_the_latency_limit_the_search_walks_to_the_limit_and_p
     assert finished["objective"] == pytest.approx(peak_at_8(4)) and finished["limit_excess"] is None
 
 
+def test_ending_at_vllms_default_of_an_unset_parameter_costs_no_restart(tmp_path: Path) -> None:
+    # bench/tuner_vs_sweep.py --quick: `explore block_size` measured nothing (the budget was spent) and
+    # still restarted vLLM with --block-size 128, the value it ran with the flag unset.
+    sim = make_explorer(tmp_path)
+    assert sim.params().block_size is None
+    sim.rig.lifecycle.capacity.check = lambda params: PlanOutcome("refused", {"band": "never"})  # type: ignore[method-assign]
+    finished = sim.explore("block_size")
+    # vLLM's default: 16 here, CUDA's (the fake run has no plan, so no backend says otherwise).
+    assert finished["best"] == {"block_size": 16} and finished["restarts"] == 0
+    assert not sim.rig.intents("trial") and sim.params().block_size is None
+
+
 def test_known_bad_values_start_on_the_tabu_list_and_old_versions_become_hints(tmp_path: Path) -> None:
     memory = Experience(tmp_path / "memory.json")
     figures = {"param": "max_num_seqs", "reason": "its start failed"}

@@ -75,6 +75,7 @@ class Exploration:
     plan: Future[PlanOutcome] | None = None  # the planner's verdict on the point, while PLANNING
     source: Source = "probe"  # what scores every point of this exploration, fixed at its start
     pending: tuple[ProbeResult | None, str | None] | None = None  # a probe done, the live window not yet
+    defaults: dict[str, Value] = field(default_factory=dict)  # vLLM's values of the params not set at start
 
 
 class Explorer:
@@ -154,9 +155,12 @@ class Explorer:
             value = getattr(params, name)
             if value is None:
                 value = REGISTRY[name].default(backend, machine.memory.gpu_total_bytes if machine else None)
-            if value is None:
-                self._finish(f"{name} is not set and vLLM's default is not known: nothing to explore from")
-                return
+                if value is None:
+                    self._finish(
+                        f"{name} is not set and vLLM's default is not known: nothing to explore from"
+                    )
+                    return
+                ex.defaults[name] = value
             current[name] = value
             ladders[name] = ladder(
                 name, value, backend=backend, unified=unified, bounds=tuning.bounds,
@@ -385,7 +389,14 @@ class Explorer:
     def _to_best(self, now: float) -> None:
         ex = self.current
         assert ex is not None and ex.search is not None
-        best = self.life.params.replace(**ex.search.best)
+        # vLLM's default of a parameter left unset is no change: the bench's block_size exploration, with
+        # no point measured, restarted vLLM to pass --block-size 128, what it ran already.
+        changes = {
+            name: value
+            for name, value in ex.search.best.items()
+            if not (getattr(self.life.params, name) is None and ex.defaults.get(name) == value)
+        }
+        best = self.life.params.replace(**changes)
         if best == self.life.params:
             self._finish("done", promote=True)
             return
