@@ -3,7 +3,7 @@
 
     .venv/bin/python bench/restart_cost.py [--repeats 3]
 
-Real vLLM (CPU build, the engine tier's "small" random-weight model, a 1,952-token KV cache), idle.
+Real vLLM (CPU build, the engine tier's "small" random-weight model, a 1,920-token KV cache), idle.
 tunerd runs one copy (door off, no rules: only the restarts asked here); this script runs another with
 the argv and environment tunerd spawned (same compile caches), on a port of its own (tunerd's
 `preflight.memory_tolerance_bytes` is raised to 4 GiB so that its memory-return gate does not wait for the
@@ -67,6 +67,7 @@ def wait_health(url: str, proc: subprocess.Popen[bytes] | None = None, timeout: 
 
 
 def group_alive(pgid: int) -> bool:
+    """Whether any process of the group `pgid` is still alive (its leader may be gone already)."""
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
