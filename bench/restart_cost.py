@@ -41,6 +41,7 @@ sys.path[:0] = [str(REPO), str(REPO / "daemon")]
 
 from tests.engine.conftest import cache_env, make_small_model, real_sections  # noqa: E402
 from tests.harness import Daemon, free_port  # noqa: E402
+from tunerd.procfs.processes import pids_in_group  # noqa: E402
 from tunerd.records.journal import parse_time  # noqa: E402
 
 TARGET = 0.05
@@ -64,15 +65,6 @@ def wait_health(url: str, proc: subprocess.Popen[bytes] | None = None, timeout: 
                 pass
             time.sleep(0.05)
     raise SystemExit(f"{url} did not answer /health 200 in {timeout:.0f} s")
-
-
-def group_alive(pgid: int) -> bool:
-    """Whether any process of the group `pgid` is still alive (its leader may be gone already)."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 class Bare:
@@ -102,7 +94,8 @@ class Bare:
             os.killpg(self.proc.pid, signal.SIGTERM)
             self.proc.wait(timeout=120)
             self.stop_s = time.monotonic() - began
-            while group_alive(self.proc.pid) and time.monotonic() - began < 120:
+            # tunerd's own test for "the tree is gone" (zombies left out).
+            while pids_in_group(self.proc.pid, include_zombies=False) and time.monotonic() - began < 120:
                 time.sleep(0.02)
             self.group_gone_s = time.monotonic() - began
 

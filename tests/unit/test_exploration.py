@@ -67,10 +67,10 @@ class ProbeSim:
         run = self.sim.rig.lifecycle.engine.run
         assert run is not None and run.run_id == run_id
         tokens = 0 if self.wedged else cfg.requests * cfg.max_tokens
-        rate = peak_at_8(run.params.max_num_seqs or 256) if tokens else None
+        seqs = run.params.max_num_seqs or 256
+        rate = peak_at_8(seqs) if tokens else None
         seconds = tokens / rate if rate else cfg.timeout_s
         errors = tuple("timeout" for _ in range(cfg.requests)) if self.wedged else ()
-        seqs = run.params.max_num_seqs or 256
         ttft_p95 = 0.08 if self.ttft_per_seq_s is None else self.ttft_per_seq_s * seqs
         return ProbeResult(
             run_id, self.calls, "2026-12-01T12:00:00Z", seconds, cfg.requests, cfg.requests - len(errors),

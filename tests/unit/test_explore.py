@@ -8,12 +8,13 @@ from collections.abc import Callable
 
 from tunerd.policy.explore import Search, ladder, limit_excess, midpoint, start
 
-Surface = Callable[[dict[str, object]], float | None]
 Scored = tuple[float | None, float | None]  # (objective, limit excess)
+Surface = Callable[[dict[str, object]], float | Scored | None]
 
 
 def explore(search: Search, surface: Surface, limit: int = 200) -> tuple[Search, list[tuple[str, object]]]:
-    """Run a search to its end against `surface`; returns it and the points it measured, in order."""
+    """Run a search to its end against `surface` (an objective, or (objective, limit excess)); returns it
+    and the points it measured, in order."""
     visited: list[tuple[str, object]] = []
     for _ in range(limit):
         search, point = search.next_point()
@@ -22,7 +23,9 @@ def explore(search: Search, surface: Surface, limit: int = 200) -> tuple[Search,
         param, value = point
         assert point not in visited, f"{point} measured twice"
         visited.append(point)
-        search = search.record(param, value, surface({**search.best, param: value}))
+        scored = surface({**search.best, param: value})
+        objective, excess = scored if isinstance(scored, tuple) else (scored, None)
+        search = search.record(param, value, objective, excess)
     raise AssertionError("the search did not end")
 
 
@@ -162,18 +165,6 @@ def ttft_surface(ttft_of: Callable[[int], float], limit: float) -> Callable[[dic
     return surface
 
 
-def explore_scored(search: Search, surface: Callable[[dict[str, object]], Scored]) -> tuple[Search, list]:
-    visited: list[tuple[str, object]] = []
-    while True:
-        search, point = search.next_point()
-        if point is None:
-            return search, visited
-        assert point not in visited, f"{point} measured twice"
-        visited.append(point)
-        objective, excess = surface({**search.best, point[0]: point[1]})
-        search = search.record(point[0], point[1], objective, excess)
-
-
 def test_limit_excess_is_the_worst_limit_broken_and_none_within_the_limits() -> None:
     assert limit_excess(19.5, 0.1, ttft_max=10.0, itl_max=0.2) == 1.95
     assert limit_excess(5.0, 0.5, ttft_max=10.0, itl_max=0.2) == 2.5
@@ -192,7 +183,7 @@ def test_a_start_over_the_latency_limit_moves_towards_the_limit_until_a_point_me
         ["max_num_seqs"], {"max_num_seqs": 32}, {"max_num_seqs": values},
         tolerance=0.05, objective=objective, excess=excess,
     )  # fmt: skip
-    search, visited = explore_scored(search, surface)
+    search, visited = explore(search, surface)
     assert ("max_num_seqs", 16) in visited and ("max_num_seqs", 64) in visited
     assert search.best == {"max_num_seqs": 16} and search.best_objective == 1600.0  # 9.6 s: feasible
     assert search.best_excess is None
@@ -210,7 +201,7 @@ def test_when_nothing_meets_the_limit_the_least_excess_wins_and_a_failure_never_
         ["max_num_seqs"], {"max_num_seqs": 32}, {"max_num_seqs": values},
         tolerance=0.05, objective=None, excess=surface({"max_num_seqs": 32})[1],
     )  # fmt: skip
-    search, visited = explore_scored(search, surface)
+    search, visited = explore(search, surface)
     assert visited[0] == ("max_num_seqs", 64) and search.measured[("max_num_seqs", 64)] is None
     assert search.best == {"max_num_seqs": 8} and search.best_objective is None
     assert search.best_excess == 2.0

@@ -138,8 +138,8 @@ class Explorer:
         # saturated, and each point then scored its mostly idle window: 0 tok/s).
         live = self.window(ex.since - self.config().tuning.window_s, ex.since)
         ex.source = objective_source(live)
-        objective, _ = scored(ex.source, self._probe_objective(result), live)
-        excess = self._limit_excess(result)
+        feasible, excess = self._probe_score(result)
+        objective, _ = scored(ex.source, feasible, live)
         if ex.recall is not None:
             self._recall_start(ex, result, objective, live)
             return
@@ -271,7 +271,7 @@ class Explorer:
 
     def _scored(self, ex: Exploration, result: ProbeResult | None, why: str | None, now: float) -> None:
         live = self.window(ex.since, now) if ex.source == "live" else None
-        feasible = self._probe_objective(result) if result is not None else None
+        feasible, excess = self._probe_score(result) if result is not None else (None, None)
         objective, source = scored(ex.source, feasible, live)
         figures = result.as_dict() if result is not None else {"error": why}
         extra = {"objective_source": source, "live": live.as_dict() if live is not None else None}
@@ -280,7 +280,6 @@ class Explorer:
             return
         if ex.point is None or ex.search is None:
             return
-        excess = self._limit_excess(result) if result is not None else None
         self._record_point(ex, objective, figures, excess=excess, **extra)
         self.life.end_trial(keep=True, reason="exploration point measured", promote=False)
         self._next(now)
@@ -306,25 +305,16 @@ class Explorer:
             "explore.point", explore=ex.explore_id, **entry, best=dict(ex.search.best), probe=figures, **extra
         )
 
-    def _probe_objective(self, result: ProbeResult) -> float | None:
-        """The probe's throughput, or None (infeasible) when it failed or broke a latency limit."""
-        tuning = self.config().tuning
-        if result.errors or result.throughput is None:
-            return None
-        if tuning.ttft_p95_max_s is not None and (result.ttft_p95 or 0) > tuning.ttft_p95_max_s:
-            return None
-        if tuning.itl_p95_max_s is not None and (result.itl_p95 or 0) > tuning.itl_p95_max_s:
-            return None
-        return result.throughput
-
-    def _limit_excess(self, result: ProbeResult) -> float | None:
-        """How far the probe broke its worst latency limit (observed / limit), None when it broke none."""
-        tuning = self.config().tuning
+    def _probe_score(self, result: ProbeResult) -> tuple[float | None, float | None]:
+        """(the probe's throughput, None) when it met the latency limits; (None, how far it broke the
+        worst one) when it broke one; (None, None) when it failed."""
         if result.errors:
-            return None
-        return limit_excess(
+            return None, None
+        tuning = self.config().tuning
+        excess = limit_excess(
             result.ttft_p95, result.itl_p95, ttft_max=tuning.ttft_p95_max_s, itl_max=tuning.itl_p95_max_s
         )
+        return (None, excess) if excess is not None else (result.throughput, None)
 
     # -- a recall: one configuration from the tuning memory -----------------------------------------
 
