@@ -127,7 +127,14 @@ def sections_for(args: argparse.Namespace, workdir: Path, model: Path | None, ca
     if args.real:
         assert model is not None
         if args.scenario == "startup-error":
-            return real_sections(model, cache, engine__params={"block_size": 16}, backoff={"max_failures": 1})
+            # The planner warns only: enforced, the preflight refuses 16 itself and vLLM never sees it.
+            return real_sections(
+                model,
+                cache,
+                engine__params={"block_size": 16},
+                backoff={"max_failures": 1},
+                preflight={"planner": "warn"},
+            )
         return real_sections(model, cache, backoff={"max_failures": 1000})
     sections = fake_sections(workdir, timeouts={"startup_s": 60.0}, backoff={"max_failures": 1})
     if args.scenario == "startup-error":

@@ -26,6 +26,7 @@ def test_block_size_vllm_rejects_is_journaled_as_invalid_block_size_before_vllm_
         vllm_cache,
         engine__params={"block_size": 16},
         backoff={"max_failures": 1},  # no retries: one failed start, then FATAL (no known-good yet)
+        preflight={"planner": "warn"},  # enforced, the preflight refuses 16 itself: vLLM must see it here
     )
     with running_daemon(tmp_path, sections) as daemon:
         spawned = daemon.wait_event("engine.spawned", timeout=60)

@@ -15,6 +15,8 @@ import pytest
 from tests.unit.test_gpu import GB10, FakeDevice, FakeNvml
 from tunerd.cli import plan as plan_view
 from tunerd.cli.main import main
+from tunerd.config import parse_config
+from tunerd.control import capacity
 from tunerd.control.capacity import CalibrationStore
 from tunerd.core.machine import MachineFacts, MemoryFacts, PreflightFacts
 from tunerd.core.params import EngineParams
@@ -240,6 +242,34 @@ def test_block_size_the_cpu_backend_rejects_fails_preflight(
     assert status == 1
     assert "fail  params  block_size 16 is not a multiple of 32 on cpu" in out
     assert "NOT FEASIBLE: preflight check failed (params)" in out
+
+
+@pytest.mark.parametrize(("mode", "refused"), [("enforce", True), ("warn", False)])
+def test_the_daemons_preflight_refuses_a_block_size_the_backend_rejects(
+    monkeypatch: pytest.MonkeyPatch, tiny_model: Path, tmp_path: Path, mode: str, refused: bool
+) -> None:
+    # Before, only `tunerd plan` asked: an exploration's block_size 91 reached vLLM, which refused it
+    # after a 70 s start (docs/benchmarks-notes.md).
+    monkeypatch.setattr(capacity, "probe_machine", lambda *_a, **_k: cpu_box())
+    config = parse_config(
+        {
+            "engine": {"model": str(tiny_model)},
+            "paths": {"state_dir": str(tmp_path)},
+            "preflight": {"planner": mode},
+        }
+    )
+    outcome = capacity.Capacity(config).check(
+        EngineParams(max_model_len=512, kv_cache_memory_bytes=1_000_000, block_size=91)
+    )
+    assert outcome.figures["backend_problems"] == ["block_size 91 is not a multiple of 32 on cpu"]
+    assert outcome.refusal == ("block_size 91 is not a multiple of 32 on cpu" if refused else None)
+    assert outcome.estimated_max_model_len is None  # the memory fits: no max_model_len to retry with
+    assert (
+        capacity.Capacity(config)
+        .check(EngineParams(max_model_len=512, kv_cache_memory_bytes=1_000_000, block_size=96))
+        .refusal
+        is None
+    )
 
 
 # ---------------------------------------------------------------------------------------------------

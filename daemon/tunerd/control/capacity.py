@@ -15,7 +15,7 @@ from typing import Any
 from tunerd.config import Config
 from tunerd.core.machine import MachineFacts
 from tunerd.core.model import ModelInfo, ModelInfoError
-from tunerd.core.params import Backend, EngineParams
+from tunerd.core.params import Backend, EngineParams, backend_problems
 from tunerd.core.report import StartReport
 from tunerd.observe.machine_facts import probe_machine
 from tunerd.observe.model.directory import load_model_info
@@ -122,7 +122,8 @@ class Capacity:
         return self._model
 
     def check(self, params: EngineParams) -> PlanOutcome:
-        """The planner's verdict for `params` on this machine now (with the stored calibration).
+        """The planner's verdict for `params` on this machine now (with the stored calibration), and the
+        backend's own constraints on the flags (`core.params.backend_problems`).
 
         `preflight.planner`: enforce (refusals stop the start), warn (journaled only), off.
         """
@@ -151,19 +152,28 @@ class Capacity:
                 {"check": c.name, "verdict": c.verdict, "detail": c.detail, "remedy": c.remedy}
                 for c in checks
             ]
-        refusal = None
-        if not plan.feasible and mode == "enforce":
-            refusal = "; ".join(plan.budget.start_refusals) or (
-                f"oversubscription {plan.ratio:.2f} is in band {plan.band}"
-                if plan.ratio is not None
-                else plan.band
+        # A flag the backend rejects (CPU: block size not a multiple of 32) is refused here, before a start
+        # that vLLM would end after loading the model (fixture fail_block_size.log).
+        problems = backend_problems(params, machine.backend)
+        if problems:
+            figures["backend_problems"] = problems
+        refusals = list(problems)
+        if not plan.feasible:
+            refusals.append(
+                "; ".join(plan.budget.start_refusals)
+                or (
+                    f"oversubscription {plan.ratio:.2f} is in band {plan.band}"
+                    if plan.ratio is not None
+                    else plan.band
+                )
             )
+        refusal = "; ".join(refusals) if refusals and mode == "enforce" else None
         return PlanOutcome(
             refusal,
             figures,
             plan.kv_cache_tokens,
             machine,
-            plan.vllm_estimated_max_model_len if refusal else None,
+            plan.vllm_estimated_max_model_len if refusal and not plan.feasible else None,
         )
 
     def calibrate(
