@@ -99,9 +99,13 @@ def test_kv_pressure_is_tuned_one_verified_step_at_a_time_and_the_loop_stops(
         with ClosedLoopLoad(url, str(small_model), clients=16, prompt_tokens=16, max_tokens=256, seed=11):
             daemon.wait_event("rule.fired", rule="kv-cache-pressure", timeout=600)
             # The story ends when the rule has nothing left to try (a reverted value is tabu, the step
-            # past it is never taken) or stops holding: no trial runs and none starts.
-            daemon.wait_record(
-                lambda r: r["event"] in ("rule.exhausted", "rule.muted") and r["rule"] == "kv-cache-pressure",
+            # past it is never taken) or when a kept step cleared the condition (resolved). Which one
+            # depends on the box: on CI's slower one max_num_seqs 8 already stopped the preemptions.
+            ending = daemon.wait_record(
+                lambda r: (
+                    r["event"] in ("rule.exhausted", "rule.muted", "rule.resolved")
+                    and r["rule"] == "kv-cache-pressure"
+                ),
                 timeout=1800,
             )
         # A lost trial mutes its rule before its revert has restarted vLLM: the engine's parameters are
@@ -115,7 +119,10 @@ def test_kv_pressure_is_tuned_one_verified_step_at_a_time_and_the_loop_stops(
         for trial in kept:  # never a kept loss
             assert trial["objective_after"] >= trial["objective_before"] * (1 - tolerance), trial
             assert trial["before"]["throughput"]["n"] >= 20 and trial["after"]["throughput"]["n"] >= 20
-        assert lost, "a step that lost was reverted"
+        if ending["event"] == "rule.resolved":
+            assert any(t["holds"] is False for t in ending["terms"]), ending  # the condition cleared
+        else:
+            assert lost, "a step that lost was reverted"
         for trial in lost:
             assert trial["reason"], trial
         # Every step went down, one at a time, from where the last kept one left it.

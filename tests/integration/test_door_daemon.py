@@ -62,6 +62,11 @@ def completed(load: ClosedLoopLoad) -> int:
     return load.stats.ok
 
 
+def door(daemon: Daemon) -> dict[str, Any]:
+    """The door's part of the daemon's status (empty counts before the door reports)."""
+    return {"queued": 0, "in_flight": 0} | (daemon.status().get("door") or {})
+
+
 def test_a_planned_restart_under_load_loses_no_request(workdir: Path) -> None:
     sections = door_sections(workdir)
     with running_daemon(workdir, sections) as daemon:
@@ -112,11 +117,22 @@ def test_the_in_flight_cap_changes_on_the_running_daemon_without_a_restart(workd
             wait_until(lambda: completed(load) >= 10, 60, "requests answered")
             changed = tunerd(daemon, "door", "--max-in-flight", "2")
             assert changed.returncode == 0, changed.stderr
-            wait_until(lambda: daemon.metric("tunerd_door_max_in_flight") == 2, 10, "the cap in force")
-            wait_until(lambda: (daemon.status().get("door") or {}).get("queued", 0) >= 1, 30, "requests wait")
-            assert daemon.status()["door"]["in_flight"] <= 2
-            before = completed(load)
-            wait_until(lambda: completed(load) >= before + 10, 60, "requests answered under the cap")
+            wait_until(lambda: daemon.metric("tunerd_door_max_in_flight") == 2, 30, "the cap in force")
+
+            # Requests already in flight finish (the cap admits, it never aborts): it binds once they have.
+            def binds() -> bool:
+                now = door(daemon)
+                return now["queued"] >= 1 and now["in_flight"] <= 2
+
+            wait_until(binds, 30, "requests to wait behind the cap")
+            before, in_flight = completed(load), []
+
+            def answered_under_the_cap() -> bool:
+                in_flight.append(door(daemon)["in_flight"])
+                return completed(load) >= before + 10
+
+            wait_until(answered_under_the_cap, 60, "requests answered under the cap")
+            assert max(in_flight) <= 2, in_flight
         assert load.stats.errors == []
         assert daemon.status()["engine"]["pid"] == status["engine"]["pid"]  # no restart
         record = daemon.wait_event("door.max_in_flight")

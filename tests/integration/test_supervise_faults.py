@@ -213,13 +213,17 @@ def test_failing_new_params_roll_back_to_last_known_good_then_fatal_when_those_f
 
 
 def test_sigkill_of_the_daemon_mid_start_leaves_no_stray_and_a_readable_journal(workdir: Path) -> None:
-    sections = fake_sections(workdir, knobs={"FAKE_VLLM_STARTUP_S": "30"})
+    # The fake's worker appears a third of the way into its start (ok_start.log's proportions): ~13 s of
+    # 40, and the start-up timeout well past both, so that a loaded box (CI's once missed a 10 s wait for
+    # the tree) still kills the daemon mid start.
+    sections = fake_sections(workdir, knobs={"FAKE_VLLM_STARTUP_S": "40"}, timeouts={"startup_s": 300.0})
     first = Daemon(workdir, sections)
     first.start()
     try:
         first.wait_event("engine.spawned")
-        wait_until(lambda: len(first.marked_pids()) >= 3, 10, "the fake's tree to exist")
+        wait_until(lambda: len(first.marked_pids()) >= 3, 35, "the fake's tree to exist")
         orphans = first.marked_pids()
+        assert not any(r["event"] == "engine.ready" for r in first.records()), "killed mid start"
         first.kill9()
     except BaseException:
         first.cleanup()

@@ -280,6 +280,55 @@ def test_a_fresh_state_does_not_fire_inside_the_old_cooldown() -> None:
     assert fired_at(make_rule(for_s=0, cooldown_s=600), [(300.0, {KV: 0.95})], state=fired.fresh()) == []
 
 
+# -- resolution ------------------------------------------------------------------------------------
+
+
+def resolved_at(rule: Rule, polls: Sequence[tuple[float, Mapping[str, float | None]]]) -> list[float]:
+    return [now for (now, _), ev in zip(polls, run(rule, polls), strict=True) if ev.resolved]
+
+
+def test_a_fired_rule_resolves_once_its_condition_has_been_false_for_for_s() -> None:
+    polls = every(10, 60, {KV: 0.95}) + every(10, 200, {KV: 0.5}, start=70)
+    results = run(make_rule(for_s=60), polls)
+    assert [now for (now, _), ev in zip(polls, results, strict=True) if ev.fired] == [60.0]
+    assert resolved_at(make_rule(for_s=60), polls) == [130.0]  # false from 70 s, for 60 s
+    assert results[-1].state.firing is False
+
+
+def test_a_rule_that_never_fired_never_resolves() -> None:
+    polls = every(10, 50, {KV: 0.95}) + every(10, 300, {KV: 0.5}, start=60)
+    assert resolved_at(make_rule(for_s=60), polls) == []
+
+
+def test_a_poll_that_holds_again_restarts_the_clearing_clock() -> None:
+    polls = (
+        every(10, 30, {KV: 0.95})  # fires at 30
+        + every(10, 50, {KV: 0.5}, start=40)
+        + [(60.0, {KV: 0.95})]  # holds once: not long enough to fire, long enough to be not yet clear
+        + every(10, 200, {KV: 0.5}, start=70)
+    )
+    assert resolved_at(make_rule(for_s=30, cooldown_s=0), polls) == [100.0]
+
+
+def test_missing_data_restarts_the_clearing_clock() -> None:
+    polls = (
+        every(10, 60, {KV: 0.95})
+        + every(10, 100, {KV: 0.5}, start=70)
+        + [(110.0, {KV: None})]
+        + every(10, 200, {KV: 0.5}, start=120)
+    )
+    assert resolved_at(make_rule(for_s=60), polls) == [180.0]
+
+
+def test_a_firing_rule_stays_firing_into_a_new_engine_run_and_clears_there() -> None:
+    fired = run(make_rule(for_s=30), [*every(10, 30, {KV: 0.95}), (40.0, {KV: 0.5})])[-1].state
+    assert fired.firing and fired.clear_since == 40.0
+    fresh = fired.fresh()
+    assert fresh.firing and fresh.clear_since is None  # the new run must clear on its own evidence
+    results = run(make_rule(for_s=30), every(10, 130, {KV: 0.5}, start=100), state=fresh)
+    assert [ev.resolved for ev in results] == [False, False, False, True]
+
+
 # -- all / any -------------------------------------------------------------------------------------
 
 

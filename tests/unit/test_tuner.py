@@ -241,6 +241,20 @@ def test_kv_pressure_steps_down_keeps_what_helped_reverts_the_overshoot_and_stop
     assert sim.rig.sample("tunerd_trials_total", outcome="reverted") == 1
 
 
+def test_a_kept_step_that_clears_the_condition_resolves_the_rule_and_the_story_ends(tmp_path: Path) -> None:
+    cleared = {32: Perf(2000.0, 5.0, 0.98), 16: Perf(2400.0, 0.0, 0.75)}
+    sim = make_tuner(tmp_path, landscape=cleared)
+    sim.run_until(lambda: sim.rig.records("rule.resolved"))
+    (decided,) = sim.decided()
+    assert (decided["old"], decided["new"], decided["decision"]) == (32, 16, "kept")
+    (resolved,) = sim.rig.records("rule.resolved")
+    assert resolved["rule"] == "kv-cache-pressure" and resolved["seq"] > decided["seq"]
+    assert all(t["holds"] is False for t in resolved["terms"][1:])  # no preemptions at 16
+    sim.run_for(600)
+    assert len(sim.decided()) == 1 and len(sim.rig.records("rule.resolved")) == 1
+    assert "rule.exhausted" not in sim.rig.events()
+
+
 def test_the_journal_tells_the_trial_in_order(tmp_path: Path) -> None:
     sim = make_tuner(tmp_path)
     sim.run_until(lambda: len(sim.decided()) >= 1 and sim.tuner.trial is None)

@@ -109,6 +109,7 @@ STORIES: dict[str, Callable[[Record], str]] = {
     "rule.deferred": rule_plain,
     "rule.exhausted": rule_plain,
     "rule.muted": rule_plain,
+    "rule.resolved": rule_plain,
     "rule.alert": rule_plain,
     "trial.proposed": lambda r: (
         f"proposed (dry-run) by rule {r.get('rule')}: {_change(r)}; before: {_window(r.get('before'))}"

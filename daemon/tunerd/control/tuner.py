@@ -244,6 +244,14 @@ class Tuner:
             result = evaluate(rule, state, self.live, self.memory.baseline, now)
             self.states[rule.name] = result.state
             self.metrics.rule_active.labels(rule=rule.name).set(1 if result.holds else 0)
+            if result.resolved:
+                self.rec.record(
+                    "rule.resolved",
+                    rule=rule.name,
+                    reason=f"its condition has not held for {rule.for_s:g} s",
+                    terms=[t.as_dict() for t in result.terms],
+                )
+                log.info("rule.resolved", rule=rule.name)
             if result.fired:
                 self._fired(rule, result.state, result.terms, run, now)
                 if self.trial is not None:

@@ -124,6 +124,7 @@ def _rule_view(tuner: Tuner, rule: Rule, now: float) -> dict[str, Any]:
         "for_s": rule.for_s,
         "cooldown_left_s": max(0.0, round(state.cooldown_until - now, 1)) if state.last_fired else 0.0,
         "last_fired_s_ago": None if state.last_fired is None else round(now - state.last_fired, 1),
+        "firing": state.firing,
         "muted_left_s": round(mute[0], 1) if mute else None,
         "muted_why": mute[1] if mute else None,
         "losses": tuner.memory.state.losses.get(rule.name, 0),

@@ -7,6 +7,9 @@
   past the threshold, so a value hovering at it does not flap.
 - A rule fires when its condition has held for `for_s` without a gap, outside its cooldown and mute;
   firing starts the cooldown and the `for` clock afresh (new evidence is needed to fire again).
+- A rule that fired is resolved once its condition has been false for `for_s` without a gap (unknown
+  restarts that clock too), as an alert resolves: the journal's end of the story when a kept change
+  eased the condition and no trial follows.
 """
 
 from __future__ import annotations
@@ -51,11 +54,14 @@ class RuleState:
     muted_until: float = float("-inf")
     mute_reason: str | None = None
     losses: int = 0  # consecutive trials of this rule that were reverted
+    firing: bool = False  # fired and not yet resolved
+    clear_since: float | None = None  # while firing: the condition has been false without a gap since then
     last: tuple[TermValue, ...] = field(default_factory=tuple)  # the last evaluation, for `tunerd rules`
 
     def fresh(self) -> RuleState:
-        """The state for a new engine run: the condition must hold anew; cooldown, mute, losses stay."""
-        return replace(self, holding_since=None, holding=(), last=())
+        """The state for a new engine run: the condition must hold (or clear) anew; cooldown, mute, losses
+        and whether it is firing stay."""
+        return replace(self, holding_since=None, holding=(), last=(), clear_since=None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +70,7 @@ class Evaluation:
     holds: bool | None  # the condition now (None: unknown)
     fired: bool
     terms: tuple[TermValue, ...]
+    resolved: bool = False  # a firing rule's condition has been false for `for_s`: it fires no more
 
 
 def term_value(
@@ -116,13 +123,20 @@ def evaluate(
     holding = tuple(bool(t.holds) for t in terms)
     if not holds:  # False or unknown: the `for` clock starts again
         new = replace(state, holding_since=None, holding=holding if holds is False else (), last=terms)
-        return Evaluation(new, holds, False, terms)
+        if not state.firing:
+            return Evaluation(new, holds, False, terms)
+        if holds is None:  # no evidence that it cleared
+            return Evaluation(replace(new, clear_since=None), holds, False, terms)
+        clear = state.clear_since if state.clear_since is not None else now
+        if now - clear < rule.for_s:
+            return Evaluation(replace(new, clear_since=clear), holds, False, terms)
+        return Evaluation(replace(new, firing=False, clear_since=None), holds, False, terms, resolved=True)
     since = state.holding_since if state.holding_since is not None else now
-    new = replace(state, holding_since=since, holding=holding, last=terms)
+    new = replace(state, holding_since=since, holding=holding, last=terms, clear_since=None)
     ready = now - since >= rule.for_s and now >= new.cooldown_until and now >= new.muted_until
     if not ready:
         return Evaluation(new, holds, False, terms)
-    fired = replace(new, holding_since=now, last_fired=now, cooldown_until=now + rule.cooldown_s)
+    fired = replace(new, holding_since=now, last_fired=now, cooldown_until=now + rule.cooldown_s, firing=True)
     return Evaluation(fired, holds, True, terms)
 
 
