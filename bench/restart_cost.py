@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What a restart costs under tunerd, against a bare stop-and-start of the same vLLM by a plain script.
 
-    .venv/bin/python bench/restart_cost.py [--repeats 3]
+    .venv/bin/python bench/restart_cost.py [--repeats 3] [--no-warm]
 
 Real vLLM (CPU build, the engine tier's "small" random-weight model, a 1,920-token KV cache), idle.
 tunerd runs one copy (door off, no rules: only the restarts asked here); this script runs another with
@@ -144,6 +144,12 @@ def spread(values: list[float]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--no-warm",
+        action="store_true",
+        help="skip warming the compile cache (two starts fewer; the first restart to 8 then compiles, so the "
+        "ratio is not the claim: run_all.sh --quick)",
+    )
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="restart-cost-"))
     model = make_small_model(root / "small", quiet=False)
@@ -172,9 +178,12 @@ def main() -> int:
         # Both values' compile caches warm before anything is measured: the first start of a new
         # max_num_seqs compiles for its shapes (the first run of this bench measured tunerd's first
         # restart to 8 at 54 s against 43 s after), and it fell to whichever side restarted first.
-        print("  warming the compile cache for max_num_seqs 8 and 16 (not measured)", flush=True)
-        bare.restart(8)
-        bare.restart(16)
+        if args.no_warm:
+            print("  compile cache not warmed (--no-warm): the first restart to 8 compiles", flush=True)
+        else:
+            print("  warming the compile cache for max_num_seqs 8 and 16 (not measured)", flush=True)
+            bare.restart(8)
+            bare.restart(16)
         under, plain = [], []
         for i in range(args.repeats):
             seqs = 8 if i % 2 == 0 else 16

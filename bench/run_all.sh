@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Run every benchmark against real vLLM on this machine, then write docs/benchmarks.md and its plots.
 #
-#   bash bench/run_all.sh            # everything, an estimated 2.5 h on 2 CPU cores (not yet timed)
-#   bash bench/run_all.sh --quick    # fewer points, one seed, short windows: every path, 30 min here
-#                                    # (24 vLLM starts); writes under $TMPDIR/tunerd-bench-quick, not docs/
+#   bash bench/run_all.sh            # everything: 156 min on 2 CPU cores (2026-12-02 run)
+#   bash bench/run_all.sh --quick    # fewer points, one seed, short windows: every path, QUICK_MIN here
+#                                    # (QUICK_STARTS vLLM starts); writes under $TMPDIR/tunerd-bench-quick, not docs/
 #
 # Needs the repository's .venv with vLLM (bash scripts/test.sh or scripts/quickstart.sh makes it);
 # installs the plotting extra (matplotlib) into it when missing. Run nothing else heavy beside it: every
@@ -47,7 +47,7 @@ bench() {
 began=$(date +%s)
 if [ $quick = 1 ]; then
     bench tuner_vs_sweep --quick --grid-params 2 --out "$out/tuner_vs_sweep.json"
-    bench restart_cost --repeats 1
+    bench restart_cost --repeats 1 --no-warm
     bench detection_latency --real --repeats 1
     bench poll_cost --polls 50 --daemon-seconds 20
     bench planner_accuracy --quick

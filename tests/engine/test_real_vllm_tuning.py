@@ -97,16 +97,18 @@ def test_kv_pressure_is_tuned_one_verified_step_at_a_time_and_the_loop_stops(
         daemon.wait_state("RUNNING", timeout=600)
         url = f"http://127.0.0.1:{sections['engine']['port']}"
         with ClosedLoopLoad(url, str(small_model), clients=16, prompt_tokens=16, max_tokens=256, seed=11):
-            daemon.wait_event("rule.fired", rule="kv-cache-pressure", timeout=600)
+            first = daemon.wait_event("trial.decided", rule="kv-cache-pressure", timeout=1200)
             # The story ends when the rule has nothing left to try (a reverted value is tabu, the step
             # past it is never taken) or when a kept step cleared the condition (resolved). Which one
             # depends on the box: on CI's slower one max_num_seqs 8 already stopped the preemptions.
+            # (A fire the probe deferred may resolve before any trial: the story starts at one.)
             ending = daemon.wait_record(
                 lambda r: (
                     r["event"] in ("rule.exhausted", "rule.muted", "rule.resolved")
                     and r["rule"] == "kv-cache-pressure"
                 ),
                 timeout=1800,
+                after_seq=first["seq"],
             )
         # A lost trial mutes its rule before its revert has restarted vLLM: the engine's parameters are
         # read once no trial is in flight.
