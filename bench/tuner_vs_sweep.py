@@ -511,8 +511,10 @@ def compare(results: Results, s: Settings, params: int) -> None:
             g for g in results.data["grid"].values() if all(g["params"][n] == DEFAULTS[n] for n in fixed)
         ]
         runs = {seed: r["phases"][name] for seed, r in results.data["tunerd"].items() if name in r["phases"]}
-        varied = {n for n in GRID if len({g["params"][n] for g in results.data["grid"].values()}) > 1}
-        if points and set(list(GRID)[:count]) <= varied:
+        # Swept at this count: every value of each tuned parameter's list was measured (--quick's single
+        # max_num_batched_tokens counts; block_size, when the grid had two parameters, does not).
+        measured = {n: {g["params"][n] for g in points} for n in GRID}
+        if points and all(measured[n] == set(s.grid[n]) for n in list(GRID)[:count]):
             summary[name] = swept(points, runs, s.ttft_limit_s)
         else:  # not swept at this count: its cost is known, its best is not
             size = math.prod(len(s.grid[n]) for n in list(GRID)[:count])
