@@ -2,8 +2,8 @@
 # Run every benchmark against real vLLM on this machine, then write docs/benchmarks.md and its plots.
 #
 #   bash bench/run_all.sh            # everything: 156 min on 2 CPU cores (2026-12-02 run)
-#   bash bench/run_all.sh --quick    # fewer points, one seed, short windows: every path, QUICK_MIN here
-#                                    # (QUICK_STARTS vLLM starts); writes under $TMPDIR/tunerd-bench-quick, not docs/
+#   bash bench/run_all.sh --quick    # fewer points, one seed, short windows: every path, 25 min here
+#                                    # (17 vLLM starts); writes under $TMPDIR/tunerd-bench-quick, not docs/
 #
 # Needs the repository's .venv with vLLM (bash scripts/test.sh or scripts/quickstart.sh makes it);
 # installs the plotting extra (matplotlib) into it when missing. Run nothing else heavy beside it: every

@@ -27,8 +27,9 @@ window), TTFT p95 and ITL p95 (from the histograms' rise), preemptions per secon
   until vLLM serves and no trial is in flight. Its restarts are its vLLM starts after the first.
 
 Results go to `--out` (JSON, written after every point: an interrupted run resumes with `--resume`);
-bench/report.py turns them into docs/benchmarks.md and the plots. --quick took 21 min on 2 cores, where
-a vLLM start took 38–77 s (13 starts); the full run is estimated at about 110 min, not yet timed.
+bench/report.py turns them into docs/benchmarks.md and the plots. On 2 cores, where a vLLM start took
+52–91 s: --quick 14 min (8 starts, 2026-12-03), the full run (--params 3 --seeds 3) 131 min (57 starts,
+2026-12-02).
 """
 
 from __future__ import annotations
