@@ -70,7 +70,7 @@ class Evaluation:
     holds: bool | None  # the condition now (None: unknown)
     fired: bool
     terms: tuple[TermValue, ...]
-    resolved: bool = False  # a firing rule's condition has been false for `for_s`: it fires no more
+    resolved: bool = False  # a firing rule's condition has been false for `for_s` (once per firing)
 
 
 def term_value(
