@@ -193,7 +193,7 @@ def main() -> int:
         for i in range(args.repeats):
             order = ("tunerd", "bare") if i % 2 == 0 else ("bare", "tunerd")
             for who in order:
-                seqs = current[who] = 24 - current[who]  # 8 <-> 16: each restart is a change
+                seqs = current[who] = {8: 16, 16: 8}[current[who]]  # each restart is a change
                 if who == "tunerd":
                     cost, split = tunerd_restart(daemon, seqs)
                     under.append(cost)
