@@ -13,7 +13,7 @@ scripts/make-tiny-model.py unless --model is given; never --enforce-eager), or u
    median of each figure;
 2. the control: the last run's seed once more, its prompts now in the prefix cache: the hits it gets and
    its throughput against the cold runs' median (what a fixed prompt would flatter);
-3. `POST /reset_prefix_cache` (`tunerd.observe.engine_admin.reset_prefix_cache`) idle; while 32 long
+3. `POST /reset_prefix_cache` (`tunerd.engine.admin.reset_prefix_cache`) idle; while 32 long
    streamed completions run (retried every 0.25 s while vLLM answers that blocks are in use); after.
 """
 
@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "daemon"))
 
 from tunerd.config import ProbeConfig  # noqa: E402
-from tunerd.observe.engine_admin import reset_prefix_cache  # noqa: E402
+from tunerd.engine.admin import reset_prefix_cache  # noqa: E402
 from tunerd.observe.probe import ProbeResult, run_probe  # noqa: E402
 from tunerd.observe.vllm_metrics import scrape  # noqa: E402
 

@@ -2,11 +2,12 @@
 
 Signal handlers, the observation jobs and HTTP handlers only put events on `self.events` (a
 SimpleQueue, whose put is safe inside a signal handler). Everything that changes state happens here,
-in the loop's thread: the engine's lifecycle (control/lifecycle.py), the tuner, the probe, the front
+in the loop's thread: the engine's lifecycle (supervise/lifecycle.py), the tuner, the probe, the front
 door's state, the signal window, config reloads, shutdown, the status document, systemd notifications.
 
 Over 400 lines on purpose: it wires every part together (`setup`) and dispatches every event; what each
-part does lives in control/ (the operator's commands in control/commands.py).
+part does lives in supervise/ (the engine's life) and tune/ (the tuning loop); the operator's commands
+in commands.py.
 """
 
 from __future__ import annotations
@@ -23,16 +24,9 @@ from typing import Any
 import structlog
 
 from tunerd import __version__
+from tunerd.commands import Commands, planner_refusal, refusal
 from tunerd.config import Config, ConfigError, load_all
 from tunerd.config.rules import RuleSet
-from tunerd.control.cache_reset import CacheReset
-from tunerd.control.capacity import CalibrationDone
-from tunerd.control.commands import Commands, planner_refusal, refusal
-from tunerd.control.door_link import DOOR_EVENTS, DoorLink
-from tunerd.control.lifecycle import ACTIVE, Lifecycle
-from tunerd.control.prober import Prober
-from tunerd.control.recall import Recall
-from tunerd.control.tuner import Tuner
 from tunerd.core.commands import Command
 from tunerd.core.machine import MemoryReading
 from tunerd.core.params import EngineParams
@@ -56,6 +50,13 @@ from tunerd.records.journal import Journal, JournalError, utc_now
 from tunerd.records.metrics import Metrics
 from tunerd.records.recorder import Recorder
 from tunerd.records.state import StateStore
+from tunerd.supervise.cache_reset import CacheReset
+from tunerd.supervise.capacity import CalibrationDone
+from tunerd.supervise.door_link import DOOR_EVENTS, DoorLink
+from tunerd.supervise.lifecycle import ACTIVE, Lifecycle
+from tunerd.tune.prober import Prober
+from tunerd.tune.recall import Recall
+from tunerd.tune.tuner import Tuner
 
 EX_OK = 0
 EX_SOFTWARE = 70  # sysexits.h: internal software error (an unhandled exception in the loop)

@@ -126,7 +126,7 @@ class Handler(BaseHTTPRequestHandler):
             self._json(404, {"detail": "Not Found"})
 
     def _reset_prefix_cache(self) -> None:
-        """Dev mode only (404 otherwise, like any unknown path). engine_admin.py's notes on a real 0.32.0
+        """Dev mode only (404 otherwise, like any unknown path). engine/admin.py's notes on a real 0.32.0
         under load: `{"success":false}` while KV blocks are held, then `{"success":true}`. Held here while
         a request runs, or for the control file's first `reset_in_use` answers."""
         ctl, values = self.state.sample()

@@ -281,7 +281,7 @@ def test_drop_page_cache_fadvise_works_as_the_units_user_a_full_drop_says_why_no
     before = service.box.json(["python3", PROBE, "resident", weights])[weights]
     assert before > 0
     script = (
-        "import json; from tunerd.control.preflight import drop_page_cache, fadvise_model_files;"
+        "import json; from tunerd.supervise.preflight import drop_page_cache, fadvise_model_files;"
         f"print(json.dumps({{'fadvise': fadvise_model_files({MODEL!r}), 'drop': drop_page_cache()}}))"
     )
     # As the unit's user, inside the service's own mount namespace (ProtectSystem=strict and the rest).

@@ -18,8 +18,6 @@ from typing import Any, TypeVar
 
 from tests.harness import FIXTURES, free_port
 from tunerd.config import Config, parse_config
-from tunerd.control.lifecycle import Lifecycle
-from tunerd.control.preflight import Submit, run_here
 from tunerd.core.exits import ExitStatus
 from tunerd.core.machine import GpuFacts
 from tunerd.core.states import EngineState
@@ -30,6 +28,8 @@ from tunerd.records.journal import Journal, Record, read_records
 from tunerd.records.metrics import Metrics
 from tunerd.records.recorder import Recorder
 from tunerd.records.state import DaemonState, StateStore
+from tunerd.supervise.lifecycle import Lifecycle
+from tunerd.supervise.preflight import Submit, run_here
 
 GIB = 1 << 30
 T = TypeVar("T")

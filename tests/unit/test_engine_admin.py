@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tunerd.observe.engine_admin import dev_mode, reset_prefix_cache
+from tunerd.engine.admin import dev_mode, reset_prefix_cache
 
 DONE = (200, b'{"success":true}')
 IN_USE = (200, b'{"success":false}')

@@ -16,18 +16,18 @@ from tests.unit.fakes import make_rig
 from tests.unit.test_tuner import KV_RULE, LANDSCAPE, Perf, SimEngine, TunerRig, _wall
 from tunerd.config import ProbeConfig
 from tunerd.config.rules import parse_rules
-from tunerd.control.cache_reset import CacheReset
-from tunerd.control.capacity import PlanOutcome
-from tunerd.control.preflight import run_here
-from tunerd.control.prober import Prober
-from tunerd.control.recall import Recall
-from tunerd.control.tuner import Tuner
 from tunerd.core.states import EngineState
-from tunerd.observe.engine_admin import CacheResetResult
+from tunerd.engine.admin import CacheResetResult
 from tunerd.observe.probe import ProbeResult
 from tunerd.observe.signals import SignalWindow
 from tunerd.records.experience import Experience, ExperienceKey, experience_path
 from tunerd.records.state import DaemonState
+from tunerd.supervise.cache_reset import CacheReset
+from tunerd.supervise.capacity import PlanOutcome
+from tunerd.supervise.preflight import run_here
+from tunerd.tune.prober import Prober
+from tunerd.tune.recall import Recall
+from tunerd.tune.tuner import Tuner
 
 IDENTITY = {
     "vllm_version": "0.32.0",

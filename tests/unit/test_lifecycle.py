@@ -20,7 +20,6 @@ from tests.unit.fakes import (
     fixed_wall,
     make_rig,
 )
-from tunerd.control.lifecycle import Lifecycle
 from tunerd.core.machine import MemoryReading
 from tunerd.core.params import EngineParams
 from tunerd.core.states import EngineState
@@ -29,6 +28,7 @@ from tunerd.observe.health import HealthResult
 from tunerd.observe.poller import PollSample
 from tunerd.observe.vllm_metrics import EngineSample, ScrapeResult
 from tunerd.records.state import DaemonState
+from tunerd.supervise.lifecycle import Lifecycle
 
 S = EngineState
 TERM, KILL = signal.SIGTERM, signal.SIGKILL

@@ -14,11 +14,11 @@ from typing import Any
 from tests.unit.fakes import make_rig
 from tests.unit.test_tuner import KV_RULE, LANDSCAPE, SimEngine, TunerRig, _wall
 from tunerd.config.rules import parse_rules
-from tunerd.control.capacity import PlanOutcome
-from tunerd.control.preflight import run_here
-from tunerd.control.tuner import Tuner
 from tunerd.core.params import EngineParams
 from tunerd.observe.signals import SignalWindow
+from tunerd.supervise.capacity import PlanOutcome
+from tunerd.supervise.preflight import run_here
+from tunerd.tune.tuner import Tuner
 
 CAP = "door.max_in_flight"
 DOOR_FIRST = {**KV_RULE, "action": {**KV_RULE["action"], "param": CAP, "then": ["max_num_seqs"]}}

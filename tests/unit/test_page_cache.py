@@ -22,12 +22,12 @@ import structlog
 
 from tests.harness import REPO, free_port
 from tunerd.config import ConfigError, load_config
-from tunerd.control import preflight as preflight_module
-from tunerd.control.preflight import Preflight, fadvise_model_files
 from tunerd.core.machine import GpuFacts
 from tunerd.core.params import EngineParams
 from tunerd.engine.leftovers import LeftoverReaper
 from tunerd.engine.oscalls import OsCalls
+from tunerd.supervise import preflight as preflight_module
+from tunerd.supervise.preflight import Preflight, fadvise_model_files
 
 KIB = 1024
 PAGE = mmap.PAGESIZE
@@ -244,7 +244,7 @@ def test_the_kernel_refuses_a_full_drop_to_a_non_root_user_even_with_cap_sys_adm
         users = ["--reuid=65534", "--regid=65534", "--clear-groups"]
         users += ["--inh-caps=+sys_admin", "--ambient-caps=+sys_admin"]
     script = (
-        "import json, os; from tunerd.control.preflight import drop_page_cache;"
+        "import json, os; from tunerd.supervise.preflight import drop_page_cache;"
         "print(json.dumps([os.geteuid(), open('/proc/self/status').read(), drop_page_cache()]))"
     )
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(REPO / "daemon")}

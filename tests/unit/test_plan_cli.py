@@ -16,8 +16,6 @@ from tests.unit.test_gpu import GB10, FakeDevice, FakeNvml
 from tunerd.cli import plan as plan_view
 from tunerd.cli.main import main
 from tunerd.config import parse_config
-from tunerd.control import capacity
-from tunerd.control.capacity import CalibrationStore
 from tunerd.core.machine import MachineFacts, MemoryFacts, PreflightFacts
 from tunerd.core.params import EngineParams
 from tunerd.core.units import GiB
@@ -25,6 +23,8 @@ from tunerd.observe.gpu import GpuCollector
 from tunerd.observe.machine_facts import build_memory_facts, probe_machine
 from tunerd.observe.model.directory import load_model_info
 from tunerd.planner.calibration import Calibration
+from tunerd.supervise import capacity
+from tunerd.supervise.capacity import CalibrationStore
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = Path(__file__).resolve().parent / "model_configs"

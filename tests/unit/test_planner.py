@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from tunerd.control.capacity import CalibrationStore
 from tunerd.core.machine import MemoryFacts, PreflightFacts
 from tunerd.core.params import EngineParams
 from tunerd.core.units import GiB
@@ -40,6 +39,7 @@ from tunerd.planner.plan import assess, band_for
 from tunerd.planner.report import plan_to_json, render_plan_table
 from tunerd.procfs.memory import parse_meminfo
 from tunerd.records.calibrations import FILENAME
+from tunerd.supervise.capacity import CalibrationStore
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = HERE / "model_configs"

@@ -6,11 +6,11 @@ from pathlib import Path
 
 from tests.harness import free_port
 from tunerd.config import load_config
-from tunerd.control.preflight import Preflight
 from tunerd.core.machine import GpuFacts
 from tunerd.core.params import EngineParams
 from tunerd.engine.leftovers import LeftoverReaper
 from tunerd.engine.oscalls import OsCalls
+from tunerd.supervise.preflight import Preflight
 
 GIB = 1 << 30
 

@@ -22,8 +22,6 @@ from tests.unit.fakes import (
     write_meminfo,
 )
 from tunerd.config import Config
-from tunerd.control.capacity import PlanOutcome
-from tunerd.control.preflight import Preflight, PreflightStep, Submit, run_here
 from tunerd.core.failures import FailureKind
 from tunerd.core.machine import GpuFacts
 from tunerd.core.params import EngineParams
@@ -32,6 +30,8 @@ from tunerd.engine.leftovers import LeftoverReaper
 from tunerd.engine.process import MARKER_ENV
 from tunerd.policy.guards import MemoryGate
 from tunerd.records.state import DaemonState
+from tunerd.supervise.capacity import PlanOutcome
+from tunerd.supervise.preflight import Preflight, PreflightStep, Submit, run_here
 
 MARKER = "marker-pf"
 GATE = MemoryGate(baseline_available_bytes=60 * GIB, tolerance_bytes=GIB)

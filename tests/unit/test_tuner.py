@@ -14,8 +14,6 @@ from typing import Any
 
 from tests.unit.fakes import Rig, make_rig
 from tunerd.config.rules import RuleSet, parse_rules
-from tunerd.control.capacity import PlanOutcome
-from tunerd.control.tuner import Phase, Tuner
 from tunerd.core.engine_sample import EngineSample, Histogram
 from tunerd.core.params import EngineParams
 from tunerd.core.states import EngineState
@@ -23,6 +21,8 @@ from tunerd.observe.gpu import GpuSample
 from tunerd.observe.poller import PollSample
 from tunerd.observe.signals import SignalWindow
 from tunerd.observe.vllm_metrics import ScrapeResult
+from tunerd.supervise.capacity import PlanOutcome
+from tunerd.tune.tuner import Phase, Tuner
 
 CLIENTS = 24
 TOKENS_PER_REQUEST = 400
@@ -193,7 +193,7 @@ def make_tuner(
         return PlanOutcome(None, {"band": "fine", "ratio": 0.4})
 
     rig.lifecycle.capacity.check = check  # type: ignore[method-assign]
-    from tunerd.control.preflight import run_here
+    from tunerd.supervise.preflight import run_here
 
     tuner = Tuner(
         rig.config,

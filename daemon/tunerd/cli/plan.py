@@ -22,7 +22,6 @@ import structlog
 from pydantic import ValidationError
 
 from tunerd.config import Config, ConfigError, default_config_path, load_config
-from tunerd.control.capacity import CalibrationStore
 from tunerd.core.machine import MachineFacts
 from tunerd.core.model import ModelInfo, ModelInfoError
 from tunerd.core.params import EngineParams, backend_problems
@@ -31,6 +30,7 @@ from tunerd.observe.model.directory import load_model_info
 from tunerd.planner.checks import CheckResult, preflight_checks
 from tunerd.planner.plan import PlanVerdict, assess
 from tunerd.planner.report import plan_to_json, render_plan_table
+from tunerd.supervise.capacity import CalibrationStore
 
 EX_OK, EX_NOT_FEASIBLE, EX_USAGE, EX_CONFIG = 0, 1, 2, 78
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import tomllib
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -211,6 +212,15 @@ class MaintenanceWindow(_Section):
         except ValueError as exc:
             raise ValueError(f"{value!r} is not a crontab expression: {exc}") from None
         return value
+
+    def opened_at(self, now: datetime) -> datetime | None:
+        """When this window opened if `now` (an aware datetime, whose zone the cron is read in) lies in
+        it, else None. The one home of the cron arithmetic (the policy imports no scheduler)."""
+        from apscheduler.triggers.cron import CronTrigger
+
+        trigger = CronTrigger.from_crontab(self.cron, timezone=now.tzinfo)
+        opened = trigger.get_next_fire_time(None, now - timedelta(seconds=self.duration_s))
+        return opened if opened is not None and opened <= now else None
 
 
 class ProbeConfig(_Section):

@@ -1,5 +1,5 @@
 """The operator's commands as the loop receives them (faces/operator.py parses them off the unix socket,
-control/commands.py carries them out)."""
+commands.py carries them out)."""
 
 from __future__ import annotations
 

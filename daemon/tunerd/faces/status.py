@@ -12,10 +12,10 @@ from typing import Any
 
 from tunerd import __version__
 from tunerd.config.rules import Rule
-from tunerd.control.lifecycle import Lifecycle
-from tunerd.control.tuner import Tuner
 from tunerd.core.params import EngineParams
 from tunerd.policy.rules import RuleState
+from tunerd.supervise.lifecycle import Lifecycle
+from tunerd.tune.tuner import Tuner
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ included) is what measures the engine's capacity, and the probe's few requests o
 `objective_source` fixes that once per search, so every point is scored the same way.
 
 `Search` is a value: `next_point()` says what to measure, `record()` folds one measurement in and
-returns the new search. The caller (control/explorer.py) turns each point into a trial.
+returns the new search. The caller (tune/explorer.py) turns each point into a trial.
 """
 
 from __future__ import annotations

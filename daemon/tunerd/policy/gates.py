@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 
 from tunerd.config import MaintenanceWindow, TuningConfig
 
@@ -37,30 +37,19 @@ def budget(restart_times: Iterable[float], now_wall: float, tuning: TuningConfig
     return Budget(max(0, tuning.restarts_per_hour - hour), max(0, tuning.restarts_per_day - day))
 
 
-def window_open(windows: Sequence[MaintenanceWindow], now: datetime) -> bool:
-    """Whether `now` (an aware datetime) lies in a maintenance window; no windows: always open."""
-    if not windows:
-        return True
-    from apscheduler.triggers.cron import CronTrigger
-
-    for window in windows:
-        trigger = CronTrigger.from_crontab(window.cron, timezone=now.tzinfo)
-        opened = trigger.get_next_fire_time(None, now - timedelta(seconds=window.duration_s))
-        if opened is not None and opened <= now:
-            return True
-    return False
-
-
 def window_opened_at(windows: Sequence[MaintenanceWindow], now: datetime) -> float | None:
-    """When the maintenance window that `now` lies in opened (epoch seconds), or None outside all."""
-    from apscheduler.triggers.cron import CronTrigger
-
+    """When the maintenance window that `now` (an aware datetime) lies in opened (epoch seconds), or None
+    outside all of them."""
     for window in windows:
-        trigger = CronTrigger.from_crontab(window.cron, timezone=now.tzinfo)
-        opened = trigger.get_next_fire_time(None, now - timedelta(seconds=window.duration_s))
-        if opened is not None and opened <= now:
+        opened = window.opened_at(now)
+        if opened is not None:
             return opened.timestamp()
     return None
+
+
+def window_open(windows: Sequence[MaintenanceWindow], now: datetime) -> bool:
+    """Whether `now` (an aware datetime) lies in a maintenance window; no windows: always open."""
+    return not windows or window_opened_at(windows, now) is not None
 
 
 def why_not_act(

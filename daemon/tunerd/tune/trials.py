@@ -1,4 +1,4 @@
-"""What a tuning trial is, as the tuner (control/tuner.py) keeps it: its phase, its change, its
+"""What a tuning trial is, as the tuner (tune/tuner.py) keeps it: its phase, its change, its
 windows and verdict; and the live knobs a trial may turn without a restart."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from enum import IntEnum
 from typing import Any, Protocol
 
 from tunerd.config.rules import Rule
-from tunerd.control.capacity import PlanOutcome
 from tunerd.policy.evidence import Point, WindowStats
 from tunerd.policy.tunables import Proposal, Value
 from tunerd.policy.verdict import Verdict
+from tunerd.supervise.capacity import PlanOutcome
 
 
 class Phase(IntEnum):

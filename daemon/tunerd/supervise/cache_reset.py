@@ -13,11 +13,11 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 
 from tunerd.config import Config
-from tunerd.control.lifecycle import Lifecycle
 from tunerd.core.states import EngineState
+from tunerd.engine.admin import CacheResetResult, dev_mode, reset_prefix_cache
 from tunerd.engine.launch import build_env
-from tunerd.observe.engine_admin import CacheResetResult, dev_mode, reset_prefix_cache
 from tunerd.records.recorder import Recorder
+from tunerd.supervise.lifecycle import Lifecycle
 
 FIGURES = ("kv_cache.usage", "host.mem_available_bytes", "prefix_cache.hit_ratio")
 
@@ -36,7 +36,7 @@ class CacheReset:
         self.life = lifecycle
         self.rec = recorder
         self.submit = submit
-        self.reset = reset  # observe.engine_admin.reset_prefix_cache; a stand-in in the in-process tests
+        self.reset = reset  # engine.admin.reset_prefix_cache; a stand-in in the in-process tests
         self.running: tuple[Future[CacheResetResult], dict[str, float | None]] | None = None
 
     def due(self, signals: Mapping[str, float | None]) -> None:

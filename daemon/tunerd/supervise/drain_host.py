@@ -1,7 +1,7 @@
 """The lifecycle's side of the front door's drain: a planned stop of a serving vLLM waits until the door
 has let the requests in flight finish (new ones wait in the door meanwhile), bounded by a deadline.
 
-`DrainHost` is mixed into `Lifecycle`. The door's link (control/door_link.py) sets `drain` (start a
+`DrainHost` is mixed into `Lifecycle`. The door's link (supervise/door_link.py) sets `drain` (start a
 drain) and calls `drained` when the door reports it done. Without a door, or for a vLLM that is not
 serving (starting, failed), a stop begins at once: a crash cannot drain.
 """
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from tunerd.core.states import EngineState
 
 if TYPE_CHECKING:
-    from tunerd.control.lifecycle import Lifecycle
+    from tunerd.supervise.lifecycle import Lifecycle
 
 # Beyond door.drain_timeout_s: the door posts its DoorDrained by then; this bounds a door that did not.
 DRAIN_SLACK_S = 5.0

@@ -12,8 +12,6 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from tunerd.config import Config
-from tunerd.control.capacity import Capacity
-from tunerd.control.preflight import Preflight, Submit, run_here
 from tunerd.core.failures import EngineFailure, FailureKind
 from tunerd.core.machine import GpuFacts
 from tunerd.core.params import EngineParams
@@ -25,6 +23,8 @@ from tunerd.policy.corrections import without_flags
 from tunerd.policy.guards import MemoryGate
 from tunerd.records.recorder import Recorder
 from tunerd.records.state import DaemonState, EngineRecord
+from tunerd.supervise.capacity import Capacity
+from tunerd.supervise.preflight import Preflight, Submit, run_here
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""When an exploration (control/explorer.py) starts: on demand (`tunerd explore`), once per maintenance
+"""When an exploration (tune/explorer.py) starts: on demand (`tunerd explore`), once per maintenance
 window (`tuning.explore_in_windows`), or from the tuning memory — a daemon start, a new deployment —
 which first puts the values it knows to be bad on the tabu list and then tries the best configuration
 it knows against the one in force (a recall).
@@ -14,14 +14,14 @@ from datetime import datetime
 from typing import Any
 
 from tunerd.config import Config
-from tunerd.control.explorer import Explorer
-from tunerd.control.lifecycle import Lifecycle
-from tunerd.control.recall import Recall
-from tunerd.control.tuning_memory import TuningMemory
 from tunerd.core.params import EngineParams
 from tunerd.core.states import EngineState
 from tunerd.policy.gates import why_not_act, window_opened_at
 from tunerd.records.recorder import Recorder
+from tunerd.supervise.lifecycle import Lifecycle
+from tunerd.tune.explorer import Explorer
+from tunerd.tune.memory import TuningMemory
+from tunerd.tune.recall import Recall
 
 
 class ExploreTriggers:

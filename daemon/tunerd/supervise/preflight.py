@@ -28,7 +28,6 @@ from typing import Any, TypeVar
 import psutil
 
 from tunerd.config import Config
-from tunerd.control.capacity import PlanOutcome
 from tunerd.core.failures import EngineFailure, FailureKind
 from tunerd.core.machine import GpuFacts
 from tunerd.core.params import EngineParams
@@ -40,6 +39,7 @@ from tunerd.observe.memory import read_memory
 from tunerd.policy.guards import MemoryGate, memory_returned
 from tunerd.procfs.memory import page_cache_bytes, read_meminfo
 from tunerd.procfs.processes import list_pids, read_comm, read_stat
+from tunerd.supervise.capacity import PlanOutcome
 
 
 @dataclass

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import structlog
 
-from tunerd.control.lifecycle import ACTIVE, Lifecycle
 from tunerd.core.states import EngineState
 from tunerd.door import Door, DoorDrained, DoorFailed, DoorReleased, UpstreamState
 from tunerd.observe.poller import PollSample
 from tunerd.records.recorder import Recorder
+from tunerd.supervise.lifecycle import ACTIVE, Lifecycle
 
 log = structlog.get_logger("tunerd")
 
@@ -52,7 +52,7 @@ class DoorLink:
         self.life.save_state()
         self.rec.record("door.max_in_flight", old=before, new=cap, why=why)
 
-    # -- the tuner's live knob (control/tuner.py: LiveKnobs) ----------------------------------------
+    # -- the tuner's live knob (tune/tuner.py: LiveKnobs) ----------------------------------------
 
     def value(self, name: str) -> int | None:
         assert name == "door.max_in_flight", name

@@ -10,14 +10,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tunerd.config import Config
-from tunerd.control.door_link import DoorLink
-from tunerd.control.lifecycle import Lifecycle
-from tunerd.control.prober import Prober
-from tunerd.control.tuner import Tuner
 from tunerd.core.commands import Command
 from tunerd.observe.probe import ProbeResult
 from tunerd.policy.tunables import REGISTRY
 from tunerd.records.recorder import Recorder
+from tunerd.supervise.door_link import DoorLink
+from tunerd.supervise.lifecycle import Lifecycle
+from tunerd.tune.prober import Prober
+from tunerd.tune.tuner import Tuner
 
 
 def refusal(command: Command, config: Config) -> str | None:

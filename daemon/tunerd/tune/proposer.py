@@ -10,11 +10,11 @@ from dataclasses import replace
 
 from tunerd.config import Config
 from tunerd.config.rules import Rule, StepAction
-from tunerd.control.lifecycle import Lifecycle
-from tunerd.control.trials import LiveKnobs
-from tunerd.control.tuning_memory import TuningMemory
 from tunerd.core.params import EngineParams
 from tunerd.policy.tunables import LIVE, NoProposal, Proposal, propose, propose_live
+from tunerd.supervise.lifecycle import Lifecycle
+from tunerd.tune.memory import TuningMemory
+from tunerd.tune.trials import LiveKnobs
 
 
 class Proposer:

@@ -31,12 +31,6 @@ from typing import Any
 import structlog
 
 from tunerd.config import Config
-from tunerd.control.capacity import PlanOutcome
-from tunerd.control.lifecycle import Lifecycle
-from tunerd.control.preflight import run_here
-from tunerd.control.prober import Prober
-from tunerd.control.recall import Recall
-from tunerd.control.tuning_memory import TuningMemory
 from tunerd.core.failures import EngineFailure
 from tunerd.core.params import EngineParams
 from tunerd.engine.process import EngineRun
@@ -45,6 +39,12 @@ from tunerd.policy.evidence import WindowStats
 from tunerd.policy.explore import Search, Source, ladder, limit_excess, objective_source, scored, start
 from tunerd.policy.tunables import REGISTRY, Value
 from tunerd.records.recorder import Recorder
+from tunerd.supervise.capacity import PlanOutcome
+from tunerd.supervise.lifecycle import Lifecycle
+from tunerd.supervise.preflight import run_here
+from tunerd.tune.memory import TuningMemory
+from tunerd.tune.prober import Prober
+from tunerd.tune.recall import Recall
 
 log = structlog.get_logger("tunerd")
 

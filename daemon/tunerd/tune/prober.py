@@ -16,13 +16,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from tunerd.config import Config
-from tunerd.control.lifecycle import Lifecycle
-from tunerd.control.recall import Recall
 from tunerd.core.failures import EngineFailure, FailureKind
 from tunerd.core.params import EngineParams
 from tunerd.core.states import EngineState
 from tunerd.observe.probe import ProbeResult, run_probe
 from tunerd.records.recorder import Recorder
+from tunerd.supervise.lifecycle import Lifecycle
+from tunerd.tune.recall import Recall
 
 DEFAULT_VOCAB = (
     1000  # token ids below it exist in every tokenizer tunerd meets; used when the config is unread

@@ -16,7 +16,7 @@ restarting: no planner, no restart, the same windows and verdict, a revert that 
 The second mode, exploration, is `explorer`'s (started by `explore_triggers`); the proposal is
 `proposer`'s; the probe is `prober`'s. Over 400 lines on purpose: one state machine (rules → proposal
 → trial phases → verdict) that reads in order; its decisions are the policy modules', its memory is
-`tuning_memory`'s.
+`tune.memory`'s.
 """
 
 from __future__ import annotations
@@ -30,15 +30,6 @@ import structlog
 
 from tunerd.config import Config
 from tunerd.config.rules import Rule, RuleSet
-from tunerd.control.capacity import PlanOutcome
-from tunerd.control.explore_triggers import ExploreTriggers
-from tunerd.control.explorer import Explorer
-from tunerd.control.lifecycle import Lifecycle
-from tunerd.control.prober import Prober
-from tunerd.control.proposer import Proposer
-from tunerd.control.recall import Recall
-from tunerd.control.trials import LiveKnobs, Phase, RunSamples, Trial
-from tunerd.control.tuning_memory import TuningMemory
 from tunerd.core.failures import EngineFailure
 from tunerd.core.states import EngineState
 from tunerd.engine.process import EngineRun
@@ -52,6 +43,15 @@ from tunerd.policy.verdict import Verdict, judge
 from tunerd.records.metrics import Metrics
 from tunerd.records.recorder import Recorder
 from tunerd.records.state import DaemonState
+from tunerd.supervise.capacity import PlanOutcome
+from tunerd.supervise.lifecycle import Lifecycle
+from tunerd.tune.explore_triggers import ExploreTriggers
+from tunerd.tune.explorer import Explorer
+from tunerd.tune.memory import TuningMemory
+from tunerd.tune.prober import Prober
+from tunerd.tune.proposer import Proposer
+from tunerd.tune.recall import Recall
+from tunerd.tune.trials import LiveKnobs, Phase, RunSamples, Trial
 
 log = structlog.get_logger("tunerd")
 
@@ -145,7 +145,7 @@ class Tuner:
         return self.triggers.explore(params, reason)
 
     def on_identity(self) -> None:
-        """vLLM's identity is known: the tuning memory is consulted (control/explore_triggers.py)."""
+        """vLLM's identity is known: the tuning memory is consulted (tune/explore_triggers.py)."""
         if self.triggers is not None:
             self.triggers.on_identity()
 

@@ -23,7 +23,6 @@ from typing import Any, Literal
 import structlog
 
 from tunerd.config import Config
-from tunerd.control.lifecycle import Lifecycle
 from tunerd.core.params import EngineParams
 from tunerd.observe.probe import ProbeResult
 from tunerd.policy.evidence import WindowStats
@@ -36,6 +35,7 @@ from tunerd.records.experience import (
     workload_key,
 )
 from tunerd.records.recorder import Recorder
+from tunerd.supervise.lifecycle import Lifecycle
 
 log = structlog.get_logger("tunerd")
 

@@ -1,4 +1,4 @@
-"""The lifecycle's side of a tuning trial: the narrow interface the tuner drives (control/tuner.py).
+"""The lifecycle's side of a tuning trial: the narrow interface the tuner drives (tune/tuner.py).
 
 `TrialHost` is mixed into `Lifecycle`: a trial is a planned restart through the normal start path
 (preflight, memory gate, planner, drain), and while it runs the lifecycle treats it apart: no promotion
@@ -18,7 +18,7 @@ from tunerd.core.states import EngineState
 from tunerd.engine.process import EngineRun
 
 if TYPE_CHECKING:
-    from tunerd.control.lifecycle import Lifecycle
+    from tunerd.supervise.lifecycle import Lifecycle
 
 
 @dataclass
@@ -32,7 +32,7 @@ class TrialContext:
 
 
 class TrialListener(Protocol):
-    """What the tuner learns from the lifecycle about the trial it started (control/tuner.py)."""
+    """What the tuner learns from the lifecycle about the trial it started (tune/tuner.py)."""
 
     def trial_serving(self, run: EngineRun, now: float) -> None: ...
 

@@ -21,13 +21,6 @@ from typing import Any
 import structlog
 
 from tunerd.config import Config
-from tunerd.control.capacity import CalibrationDone, Capacity
-from tunerd.control.drain_host import DrainHost
-from tunerd.control.engine_facts import EngineFacts, identity_job
-from tunerd.control.preflight import Submit, run_here
-from tunerd.control.run_guards import RunGuards
-from tunerd.control.starting import PendingStart, Refused, Starter, Waiting
-from tunerd.control.trial_host import TrialHost
 from tunerd.core.failures import EngineFailure, FailureKind
 from tunerd.core.machine import MemoryReading
 from tunerd.core.params import EngineParams
@@ -43,6 +36,13 @@ from tunerd.policy.restart import Action, decide_after_failure
 from tunerd.records.metrics import Metrics
 from tunerd.records.recorder import Recorder
 from tunerd.records.state import DaemonState, StateStore
+from tunerd.supervise.capacity import CalibrationDone, Capacity
+from tunerd.supervise.drain_host import DrainHost
+from tunerd.supervise.engine_facts import EngineFacts, identity_job
+from tunerd.supervise.preflight import Submit, run_here
+from tunerd.supervise.run_guards import RunGuards
+from tunerd.supervise.starting import PendingStart, Refused, Starter, Waiting
+from tunerd.supervise.trial_host import TrialHost
 
 log = structlog.get_logger("tunerd")
 
