@@ -9,6 +9,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from tunerd.cli.common import ask_daemon
+
 
 def add_commands(sub: Any, config_option: Callable[[argparse.ArgumentParser], None]) -> None:
     door = sub.add_parser("door", help="the front door: state, limits; change its in-flight cap at once")
@@ -21,8 +23,6 @@ def add_commands(sub: Any, config_option: Callable[[argparse.ArgumentParser], No
 
 
 def cmd_door(args: argparse.Namespace) -> int:
-    from tunerd.cli.main import _ask_daemon
-
     if args.max_in_flight is not None:
         text = args.max_in_flight.strip().lower()
         try:
@@ -33,7 +33,7 @@ def cmd_door(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 64
-        answer = _ask_daemon(args, "POST", "/door", {"params": {"max_in_flight": cap}})
+        answer = ask_daemon(args, "POST", "/door", {"params": {"max_in_flight": cap}})
         if isinstance(answer, int):
             return answer
         code, document = answer
@@ -43,7 +43,7 @@ def cmd_door(args: argparse.Namespace) -> int:
             return 1
         print(f"door: max_in_flight → {cap if cap is not None else 'no cap'} (no restart)")
         return 0
-    answer = _ask_daemon(args, "GET", "/status", lenient=True)
+    answer = ask_daemon(args, "GET", "/status", lenient=True)
     if isinstance(answer, int):
         return answer
     _, document = answer

@@ -46,7 +46,8 @@ def _token(command: str) -> str:
 
 def _post(args: argparse.Namespace, path: str, body: dict[str, Any]) -> tuple[int, str] | int:
     """(0, journal path) when the daemon accepted, else an exit code after printing why."""
-    from tunerd.cli.main import _ask_daemon, _journal_path
+    from tunerd.cli.common import ask_daemon as _ask_daemon
+    from tunerd.cli.common import journal_path as _journal_path
     from tunerd.config import default_config_path
 
     journal = _journal_path(args.config or default_config_path())
@@ -71,8 +72,9 @@ def _records_until(path: str, offset: int, deadline: float) -> Iterator[Record]:
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
+    from tunerd.cli.common import ask_daemon as _ask_daemon
+    from tunerd.cli.common import load_or_report as _load_or_report
     from tunerd.cli.journal import journal_size
-    from tunerd.cli.main import _ask_daemon, _load_or_report
     from tunerd.cli.status import probe_line
     from tunerd.config import default_config_path
 
@@ -147,8 +149,8 @@ def compare_with_baseline(result: Record, baseline: dict[str, Any]) -> str:
 
 
 def cmd_explore(args: argparse.Namespace) -> int:
+    from tunerd.cli.common import load_or_report as _load_or_report
     from tunerd.cli.journal import journal_size
-    from tunerd.cli.main import _load_or_report
     from tunerd.config import default_config_path
 
     names = [name.strip() for name in args.params.split(",") if name.strip()]

@@ -13,7 +13,9 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from tunerd.records.journal import Record
+from tunerd.cli.common import ask_daemon, journal_path
+from tunerd.config import default_config_path
+from tunerd.records.journal import Record, read_records
 
 
 def add_commands(sub: Any, config_option: Callable[[argparse.ArgumentParser], None]) -> None:
@@ -135,10 +137,7 @@ def render_rules(tuning: dict[str, Any]) -> str:
 
 
 def cmd_trials(args: argparse.Namespace) -> int:
-    from tunerd.cli.main import _journal_path
-    from tunerd.records.journal import read_records
-
-    path = args.file or _journal_path(args.config or _default())
+    path = args.file or journal_path(args.config or default_config_path())
     try:
         rows = trial_rows(read_records(path))
     except (FileNotFoundError, PermissionError) as exc:
@@ -153,9 +152,7 @@ def cmd_trials(args: argparse.Namespace) -> int:
 
 
 def cmd_rules(args: argparse.Namespace) -> int:
-    from tunerd.cli.main import _ask_daemon
-
-    answer = _ask_daemon(args, "GET", "/status")
+    answer = ask_daemon(args, "GET", "/status")
     if isinstance(answer, int):
         return answer
     _, document = answer
@@ -168,17 +165,9 @@ def cmd_rules(args: argparse.Namespace) -> int:
 
 
 def cmd_pause(args: argparse.Namespace) -> int:
-    from tunerd.cli.main import _ask_daemon
-
-    answer = _ask_daemon(args, "POST", "/pause")
+    answer = ask_daemon(args, "POST", "/pause")
     if isinstance(answer, int):
         return answer
     code, _ = answer
     print("tuning paused (tunerd resume unfreezes it)" if code == 202 else f"the daemon refused: HTTP {code}")
     return 0 if code == 202 else 1
-
-
-def _default() -> str:
-    from tunerd.config import default_config_path
-
-    return default_config_path()
