@@ -348,6 +348,8 @@ def test_a_bad_config_at_start_fails_once_with_78_and_does_not_restart_loop(serv
     assert show["NRestarts"] == "0", show  # a manual start counts from 0; an automatic restart would count
     log = service.journal(cursor)
     assert "timeouts.graceful_stop_sec: unknown key" in log
+    # The why at err priority (a `<3>` prefix), not only systemd's "Failed to start": the README's advice.
+    assert "timeouts.graceful_stop_sec: unknown key" in service.journal(cursor, "-p", "err")
     assert log.count("status=78/CONFIG") == 1 and "Scheduled restart job" not in log, log
     service.write_config(service.config_text())
     service.systemctl("reset-failed", UNIT)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
@@ -96,3 +97,61 @@ def test_a_malformed_journal_stream_is_not_the_journal(stderr_file: TextIO, valu
 
 def test_the_journal_stream_is_recognised_by_device_and_inode(stderr_file: TextIO) -> None:
     assert stderr_is_journal(stderr_file, {"JOURNAL_STREAM": stream_id(stderr_file)})
+
+
+# A config error is printed before logging is set up, as plain `file: key: reason` lines. Under systemd
+# (Debian 12, nspawn) they reached journald at info: `journalctl -u tunerd -p err` showed only systemd's
+# "Failed to start". On the journal stream they carry `<3>` too.
+
+BAD_KEY = '[engine]\nmodel = "/m"\n[timeouts]\ngraceful_stop_sec = 1.0\n'
+
+
+def run_cli(argv: list[str], stderr: TextIO, monkeypatch: pytest.MonkeyPatch) -> int:
+    from tunerd.cli.main import main
+
+    monkeypatch.setattr(sys, "stderr", stderr)
+    return main(argv)
+
+
+@pytest.mark.parametrize("argv", [["run", "--config"], ["check-config"]], ids=["run", "check-config"])
+def test_a_config_errors_lines_reach_the_journal_at_err(
+    argv: list[str], stderr_file: TextIO, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `tunerd run` at the unit's start; `tunerd check-config`, the ExecReload= that fails a bad reload.
+    config = tmp_path / "tunerd.toml"
+    config.write_text(BAD_KEY)
+    monkeypatch.setenv("JOURNAL_STREAM", stream_id(stderr_file))
+    assert run_cli([*argv, str(config)], stderr_file, monkeypatch) == (78 if argv[0] == "run" else 1)
+    lines = lines_of(stderr_file)
+    assert lines and all(line.startswith("<3>") for line in lines), lines
+    assert f"<3>{config}: timeouts.graceful_stop_sec: unknown key" in lines
+
+
+def test_a_config_error_on_a_terminal_or_file_is_printed_as_it_is(
+    stderr_file: TextIO, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "tunerd.toml"
+    config.write_text(BAD_KEY)
+    monkeypatch.delenv("JOURNAL_STREAM", raising=False)
+    assert run_cli(["run", "--config", str(config)], stderr_file, monkeypatch) == 78
+    assert lines_of(stderr_file) == [f"{config}: timeouts.graceful_stop_sec: unknown key"]
+
+
+def test_a_setup_error_at_start_reaches_the_journal_at_err(
+    stderr_file: TextIO, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tunerd.supervisor
+
+    class Refusing:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            pass
+
+        def setup(self) -> None:
+            raise tunerd.supervisor.DaemonSetupError("paths: cannot use the state dir or journal: denied")
+
+    config = tmp_path / "tunerd.toml"
+    config.write_text('[engine]\nmodel = "/m"\n')
+    monkeypatch.setattr(tunerd.supervisor, "Supervisor", Refusing)
+    monkeypatch.setenv("JOURNAL_STREAM", stream_id(stderr_file))
+    assert run_cli(["run", "--config", str(config)], stderr_file, monkeypatch) == 78
+    assert lines_of(stderr_file) == [f"<3>{config}: paths: cannot use the state dir or journal: denied"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,12 +34,20 @@ def config_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def report_problems(problems: Iterable[str]) -> None:
+    """Print a config's problems on stderr, one `file: key: reason` a line, at journald's err priority
+    when stderr is the journal (`tunerd run` at the unit's start, `tunerd check-config` as ExecReload=)."""
+    from tunerd.faces.logs import print_error_lines  # structlog: only imported when there is an error
+
+    for problem in problems:
+        print_error_lines(problem)
+
+
 def load_or_report(path: str) -> Config | None:
     try:
         return load_config(path)
     except ConfigError as exc:
-        for problem in exc.problems:
-            print(problem, file=sys.stderr)
+        report_problems(exc.problems)
         return None
 
 
@@ -47,8 +56,7 @@ def load_all_or_report(path: str) -> Loaded | None:
     try:
         return load_all(path)
     except ConfigError as exc:
-        for problem in exc.problems:
-            print(problem, file=sys.stderr)
+        report_problems(exc.problems)
         return None
 
 

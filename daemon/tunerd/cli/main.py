@@ -19,6 +19,7 @@ from tunerd.cli.common import (
     config_option,
     journal_path,
     load_all_or_report,
+    report_problems,
 )
 from tunerd.config import default_config_path
 
@@ -139,7 +140,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         supervisor.setup()
     except DaemonSetupError as exc:
-        print(f"{path}: {exc}", file=sys.stderr)
+        report_problems([f"{path}: {exc}"])
         return EX_CONFIG
     return supervisor.run()
 

@@ -2,7 +2,8 @@
 
 When stderr is the journal (systemd's `JOURNAL_STREAM` names it), every line starts with the `<N>` of
 sd-daemon(3), N the syslog priority of its level, so that `journalctl -u tunerd -p err` shows tunerd's
-errors; journald strips the prefix. Any other sink gets the lines unprefixed.
+errors; journald strips the prefix. Any other sink gets the lines unprefixed. The same holds for the
+plain `file: key: reason` lines of a config error (`print_error_lines`), printed before logging is set up.
 """
 
 from __future__ import annotations
@@ -34,6 +35,17 @@ def stderr_is_journal(stream: IO[Any] | None = None, environ: Mapping[str, str] 
     except (OSError, ValueError, AttributeError):
         return False
     return st.st_dev == int(device) and st.st_ino == int(inode)
+
+
+def print_error_lines(text: str, stream: IO[str] | None = None) -> None:
+    """Print an operator-facing error (`file: key: reason`, one or more lines) to `stream` (default: stderr
+    now). On the journal stream each line starts with `<3>`, so journald files it at priority err and
+    `journalctl -u tunerd -p err` shows why the unit failed, not only systemd's "Failed to start" (without
+    the prefix a stream line is info). Any other sink (a terminal, a file) gets the lines as they are."""
+    out = sys.stderr if stream is None else stream
+    prefix = f"<{SYSLOG_PRIORITIES['error']}>" if stderr_is_journal(out) else ""
+    for line in text.splitlines() or [""]:
+        print(prefix + line, file=out)
 
 
 class JournalPriorityPrefix:
