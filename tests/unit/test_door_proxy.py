@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 
 import pytest
+from structlog.testing import capture_logs
 from yarl import URL
 
 from tests.unit.test_door_rig import ENGINE_DEAD, EVENT_LOOPS, door_loop, rig, run, until
@@ -298,6 +300,41 @@ def test_without_a_door_limit_the_max_model_len_in_force_applies(tmp_path) -> No
             r.door.set_max_model_len(8)  # a new engine start with a longer max_model_len
             await until(lambda: r.door.limits_state().max_model_len == 8)
             assert (await r.complete(2, prompt="a a a a a", max_tokens=1))[0] == 200
+
+    run(scenario)
+
+
+def test_without_the_tokenizers_package_the_door_says_at_start_what_is_off_and_the_remedy(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    # tunerd installed alone (`install.sh --engine none`, vLLM elsewhere) had no `tokenizers`: the door
+    # warned `door.no_tokenizer` with "No module named 'tokenizers'" and nothing said admission was off.
+    write_word_tokenizer(tmp_path)
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # `import tokenizers` raises ImportError
+
+    async def scenario() -> None:
+        with capture_logs() as logs:
+            async with rig(model_dir=tmp_path, max_prompt_tokens=5) as r:
+                [warning] = await until(
+                    lambda: [e for e in logs if e["event"] == "door.no_tokenizer"], "door.no_tokenizer"
+                )
+                assert not r.door.limits_state().tokenizer_loaded
+                assert (await r.complete(1, prompt="w " * 6))[0] == 200  # not counted: what is off
+        assert warning["log_level"] == "warning" and warning["model_dir"] == str(tmp_path)
+        assert "tokenizers" in warning["error"]
+        assert warning["off"].startswith("prompt-length admission is off: max_prompt_tokens is not enforced")
+        assert "pip install 'vllm-tunerd[door]'" in warning["remedy"]
+
+    run(scenario)
+
+
+def test_a_model_dir_without_tokenizer_json_names_what_is_off_but_no_package_remedy(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    async def scenario() -> None:
+        with capture_logs() as logs:
+            async with rig(model_dir=tmp_path):
+                [warning] = await until(lambda: [e for e in logs if e["event"] == "door.no_tokenizer"])
+        assert "no tokenizer.json" in warning["error"] and "admission is off" in warning["off"]
+        assert "remedy" not in warning
 
     run(scenario)
 

@@ -29,6 +29,28 @@ LIMITED: dict[str, Kind] = {
 }
 DEFAULT_MAX_TOKENS: dict[Kind, int | None] = {"completion": 16, "chat": None, "embedding": None}
 
+# What `door.no_tokenizer` says is off, and how to turn it back on when the package is what is missing:
+# `scripts/install.sh --engine none` (tunerd alone, vLLM installed another way) once installed tunerd
+# without `tokenizers`, which otherwise comes with vLLM, and the door lost admission quietly (issue 20).
+PROMPT_CHECK_OFF = (
+    "prompt-length admission is off: max_prompt_tokens is not enforced, and prompts over max_model_len "
+    "reach vLLM, which refuses them itself"
+)
+TOKENIZERS_REMEDY = (
+    "install the tokenizers package into tunerd's own environment: scripts/install.sh does (any --engine), "
+    "or pip install 'vllm-tunerd[door]' there; then restart tunerd"
+)
+
+
+def no_tokenizer_fields(model_dir: str | Path, error: BaseException) -> dict[str, str]:
+    """The fields of the `door.no_tokenizer` warning when `load_tokenizer(model_dir)` raised `error`: the
+    model dir, the error, what is off and, when the `tokenizers` package is missing (ImportError), the
+    remedy."""
+    fields = {"model_dir": str(model_dir), "error": str(error), "off": PROMPT_CHECK_OFF}
+    if isinstance(error, ImportError):
+        fields["remedy"] = TOKENIZERS_REMEDY
+    return fields
+
 
 @dataclass(frozen=True)
 class TooLong:
@@ -55,8 +77,9 @@ class PromptLimits:
 
     @staticmethod
     def load_tokenizer(model_dir: str | Path) -> Any:
-        """The model directory's `tokenizer.json` (the `tokenizers` package comes with vLLM). Raises
-        OSError / ValueError / ImportError when there is none or it does not load."""
+        """The model directory's `tokenizer.json`, loaded with the `tokenizers` package (it comes with vLLM,
+        and with tunerd's `door` extra for an install without one). Raises OSError / ValueError when there
+        is none or it does not load, ImportError when the package is missing."""
         from tokenizers import Tokenizer
 
         path = Path(model_dir) / "tokenizer.json"

@@ -24,7 +24,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from tunerd.config.door import DoorConfig
-from tunerd.door.admission import PromptLimits
+from tunerd.door.admission import PromptLimits, no_tokenizer_fields
 from tunerd.door.events import DoorFailed, DrainState, LimitsState, UpstreamState
 from tunerd.door.gate import Gate
 from tunerd.door.metrics import DoorMetrics
@@ -243,7 +243,7 @@ class Door:
                 self._limits.tokenizer = done.result()
             except Exception as exc:  # no tokenizer: vLLM's own check still applies
                 self._limits.tokenizer = None
-                log.warning("door.no_tokenizer", model_dir=str(model_dir), error=str(exc))
+                log.warning("door.no_tokenizer", **no_tokenizer_fields(model_dir, exc))
             self._publish_limits()
 
         future.add_done_callback(loaded)
