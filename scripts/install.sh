@@ -8,7 +8,8 @@
 #   --root    install into DIR as if it were / (for packaging and tests): no systemctl calls
 #
 # What it does: a venv under PREFIX with tunerd and vLLM (`tunerd` linked into /usr/local/bin; with
-# --engine none tunerd alone, for a vLLM installed some other way); a system user `tunerd`, added to
+# --engine none tunerd alone, for a vLLM installed some other way, plus the `tokenizers` package the
+# front door counts prompts with, which vLLM otherwise brings); a system user `tunerd`, added to
 # the GPU device groups video and render where they exist; /etc/tunerd/* from etc/tunerd/ (an existing
 # file is never overwritten: a differing new version goes beside it as FILE.dist);
 # /etc/systemd/system/tunerd.service, checked with `systemd-analyze verify`, then enabled (not started:
@@ -38,7 +39,11 @@ fi
 
 # 1. tunerd and the engine in a virtual environment.
 venv="$root$prefix/venv"
-"$repo/scripts/install-engine.sh" "$venv" "$engine"
+engine_args=()
+# Without vLLM in this venv the front door has no tokenizer: it would leave prompt lengths to vLLM
+# (door.no_tokenizer). The door extra is `tokenizers` alone (pyproject.toml).
+[ "$engine" != none ] || engine_args=(--extras door)
+"$repo/scripts/install-engine.sh" "$venv" "$engine" "${engine_args[@]}"
 install -D -m 0644 "$repo/README.md" "$root$prefix/README.md"
 # The operator's commands (tunerd status, journal, plan …) on the PATH.
 install -d "$root/usr/local/bin"

@@ -85,6 +85,16 @@ def test_install_twice_into_a_staging_root_keeps_the_operators_config(tmp_path: 
     [user] = tunerd_users(root)
     assert user.endswith(":tunerd vLLM supervisor:/var/lib/tunerd:/usr/sbin/nologin")
     assert "video:x:44:tunerd" in (root / "etc" / "group").read_text()
+    # --engine none: no vLLM to bring `tokenizers`, so the door's extra does (else door.no_tokenizer and no
+    # prompt-length admission).
+    python = root / "opt" / "tunerd" / "venv" / "bin" / "python"
+    door = subprocess.run(
+        [str(python), "-c", "from tunerd.door.admission import PromptLimits; import tokenizers"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert door.returncode == 0, door.stderr
 
     config.write_text(config.read_text().replace("port = 8000", "port = 8123"))
     second = subprocess.run(install, capture_output=True, text=True, timeout=600)
