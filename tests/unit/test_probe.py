@@ -23,6 +23,8 @@ from typing import Any
 
 import pytest
 
+from tunerd.cli.probe import compare_with_baseline
+from tunerd.cli.status import probe_line
 from tunerd.config import ProbeConfig
 from tunerd.core.signal_catalog import SIGNAL_NAMES
 from tunerd.observe.probe import (
@@ -443,3 +445,52 @@ def test_never_raises_on_bad_arguments() -> None:
     result = run_probe(1, "http://127.0.0.1:9", MODEL, cfg(), seed=1, vocab=5)
     assert result.ok == 0 and result.errors[0].startswith("probe failed: ValueError")
     assert result.signals()["probe.errors"] == 2.0
+
+
+# -- `tunerd probe --baseline`: the figures against the baseline's -----------------------------------
+
+
+def test_baseline_comparison_never_shows_a_small_figure_as_zero() -> None:
+    # issue 20: "itl_p95 1.5 ms = 86.42× the baseline's 0.0" — the baseline was 17.4 µs, not zero
+    result = {"throughput": 978.3, "ttft_p95": 0.2363, "itl_p95": 0.0015}
+    baseline = {"probe.throughput": 852.2, "probe.ttft_p95": 0.1149, "probe.itl_p95": 0.0000174}
+    line = compare_with_baseline(result, baseline)
+    assert "throughput 978.3 tok/s = 1.15× the baseline's 852.2" in line
+    assert "ttft_p95 236.3 ms = 2.06× the baseline's 114.9" in line
+    assert "itl_p95 1.5 ms = 86.21× the baseline's 0.0174" in line
+    assert "the baseline's 0.0;" not in line and not line.endswith("the baseline's 0.0")
+
+
+@pytest.mark.parametrize(
+    ("figure", "expected"),
+    [
+        (0.0, "itl_p95 1.5 ms (baseline 0 ms: no ratio)"),
+        (None, "itl_p95 1.5 ms (no baseline figure)"),
+        ("0.002", "itl_p95 1.5 ms (no baseline figure)"),
+        (float("nan"), "itl_p95 1.5 ms (no baseline figure)"),
+    ],
+)
+def test_baseline_comparison_without_a_usable_baseline_gives_no_ratio(figure: Any, expected: str) -> None:
+    baseline = {"probe.throughput": 852.2, "probe.itl_p95": figure}
+    line = compare_with_baseline({"throughput": 900.0, "itl_p95": 0.0015}, baseline)
+    assert expected in line
+    assert "itl_p95 1.5 ms =" not in line and "inf" not in line
+    assert "ttft_p95 ? (no baseline figure)" in line
+
+
+def test_baseline_comparison_without_a_figure_now() -> None:
+    line = compare_with_baseline({"itl_p95": None}, {"probe.itl_p95": 0.004})
+    assert "itl_p95 ? (baseline 4.0 ms: no ratio)" in line and "×" not in line
+    assert compare_with_baseline({"itl_p95": 0.001}, {}).startswith("baseline: none with probe figures")
+
+
+def test_probe_line_shows_a_time_per_token_of_a_few_ms() -> None:
+    figures = {
+        "throughput": 978.3,
+        "ttft_p50": 0.129,
+        "ttft_p95": 0.236,
+        "itl_p50": 0.0037,
+        "itl_p95": 0.0052,
+    }
+    line = probe_line({**figures, "errors": [], "requests": 8})
+    assert line == "978.3 tok/s, TTFT p50/p95 129/236 ms, ITL p50/p95 3.7/5.2 ms, 0 errors of 8 requests"
