@@ -53,6 +53,9 @@ def test_tunerd_probe_prints_the_figures_of_a_cache_cold_run(workdir: Path) -> N
         second = tunerd(daemon, "probe", "--json")
         record = json.loads(second.stdout)
         assert record["event"] == "probe.result" and record["tokens"] == 4 * 48 and record["throughput"] > 0
+        # The fake makes 5.4 tokens per 20 ms step and writes them back to back: a request's 48 tokens
+        # span 8 steps or more, >= 3.4 ms a token. The gaps between its events read microseconds (issue 20).
+        assert record["itl_p50"] >= 0.001
         results = [r for r in daemon.records() if r["event"] == "probe.result"]
         assert len(results) == 2 and results[0]["seed"] != results[1]["seed"]  # a new seed every probe
         last = lambda: (daemon.status()["tuning"]["probe"]["last"] or {}).get("seed")  # noqa: E731

@@ -3,9 +3,11 @@
 The fake server (http.server on a loopback port) streams SSE events in vLLM 0.32's form, as a real
 0.32.0 server answered `POST /v1/completions` with `stream` and `include_usage`: one
 `data: {"choices": [{"text": …, "finish_reason": null, …}]}` per token step, the last with
-`finish_reason: "length"`, then `{"choices": [], "usage": {…}}`, then `data: [DONE]`. Timings come from an
-injected clock that returns scripted values; nothing waits on wall time except the one timeout test,
-whose server holds its answer until the test ends.
+`finish_reason: "length"`, then `{"choices": [], "usage": {…}}`, then `data: [DONE]`; with
+`continuous_usage_stats` each token step also carries the usage so far (vLLM's completion_stream_generator,
+vllm/entrypoints/openai/completion/serving.py). Timings come from an injected clock that returns scripted
+values; nothing waits on wall time except the one timeout test, whose server holds its answer until the
+test ends.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from typing import Any
 
 import pytest
 
+from tunerd.cli.probe import compare_with_baseline
+from tunerd.cli.status import probe_line
 from tunerd.config import ProbeConfig
 from tunerd.core.signal_catalog import SIGNAL_NAMES
 from tunerd.observe.probe import (
@@ -44,23 +48,31 @@ VLLM_ERROR = {
 }
 
 
-def token(text: str = "6", finish: str | None = None) -> dict[str, Any]:
-    """A completion chunk as vLLM 0.32 streams it."""
+def token(text: str = "6", finish: str | None = None, so_far: int | None = None) -> dict[str, Any]:
+    """A completion chunk as vLLM 0.32 streams it; `so_far`: the running usage (continuous_usage_stats)."""
     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None}
-    return {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": MODEL, "choices": [choice]}
+    chunk = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": MODEL, "choices": [choice]}
+    return chunk if so_far is None else {**chunk, "usage": totals(so_far)}
 
 
-def usage(completion: int, prompt: int = 16) -> dict[str, Any]:
-    totals = {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
+def totals(completion: int, prompt: int = 16) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
+
+
+def usage(completion: int, prompt: int = 16, metrics: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The final usage event; `metrics`: vLLM's per-request metrics (--enable-per-request-metrics)."""
     head = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": MODEL}
-    return {**head, "choices": [], "usage": totals}
+    event = {**head, "choices": [], "usage": totals(completion, prompt)}
+    return event if metrics is None else {**event, "metrics": metrics}
 
 
-def answer(tokens: int, *, per_chunk: int = 1) -> list[Any]:
-    """The events of a complete answer of `tokens` tokens, `per_chunk` tokens per event."""
+def answer(tokens: int, *, per_chunk: int = 1, running: bool = False) -> list[Any]:
+    """The events of a complete answer of `tokens` tokens, `per_chunk` tokens per event; `running`: each
+    token event carries the usage so far."""
     chunks = tokens // per_chunk
-    events: list[Any] = [token("6" * per_chunk) for _ in range(chunks - 1)]
-    return [*events, token("6" * per_chunk, "length"), usage(tokens), "[DONE]"]
+    counts = [(i + 1) * per_chunk if running else None for i in range(chunks)]
+    events: list[Any] = [token("6" * per_chunk, so_far=n) for n in counts[:-1]]
+    return [*events, token("6" * per_chunk, "length", counts[-1]), usage(tokens), "[DONE]"]
 
 
 class _Server(ThreadingHTTPServer):
@@ -190,21 +202,20 @@ def test_quantile_edges() -> None:
 
 def test_summarize_synthetic_timings() -> None:
     outcomes = [
-        RequestOutcome(None, ttft=0.1, gaps=(0.01, 0.02, 0.03), tokens=4),
-        RequestOutcome(None, ttft=0.3, gaps=(0.05,), tokens=2),
-        RequestOutcome(
-            "timeout after 5 s", ttft=2.0, gaps=(1.0,), tokens=2
-        ),  # failed: its latencies left out
+        RequestOutcome(None, ttft=0.1, itl=0.01, tokens=4),
+        RequestOutcome(None, ttft=0.3, itl=0.05, tokens=2),
+        RequestOutcome("timeout after 5 s", ttft=2.0, itl=1.0, tokens=2),  # failed: its latencies left out
         RequestOutcome("HTTP 500: boom"),
+        RequestOutcome(None, ttft=0.2, itl=None, tokens=1),  # one token: no inter-token latency
     ]
-    result = summarize(outcomes, run_id=3, seed=9, started="t", seconds=2.0, cfg=cfg(requests=4))
-    assert (result.requests, result.ok, result.tokens) == (4, 2, 8)
+    result = summarize(outcomes, run_id=3, seed=9, started="t", seconds=2.0, cfg=cfg(requests=5))
+    assert (result.requests, result.ok, result.tokens) == (5, 3, 9)
     assert result.errors == ("timeout after 5 s", "HTTP 500: boom")
-    assert result.throughput == pytest.approx(4.0)
+    assert result.throughput == pytest.approx(4.5)
     assert result.ttft_p50 == pytest.approx(0.2)
-    assert result.ttft_p95 == pytest.approx(0.1 + 0.2 * 0.95)
-    assert result.itl_p50 == pytest.approx(0.025)  # of 0.01 0.02 0.03 0.05
-    assert result.itl_p95 == pytest.approx(0.03 + 0.02 * 0.85)
+    assert result.ttft_p95 == pytest.approx(0.2 + 0.1 * 0.9)
+    assert result.itl_p50 == pytest.approx(0.03)  # one figure per request: 0.01 and 0.05
+    assert result.itl_p95 == pytest.approx(0.01 + 0.04 * 0.95)
     assert result.signals()["probe.errors"] == 2.0
     assert not result.no_tokens
 
@@ -280,8 +291,9 @@ def test_figures_from_known_chunk_timings(serve: Callable[..., FakeServer]) -> N
     assert result.throughput == pytest.approx(1.5)
     assert result.ttft_p50 == pytest.approx(0.35)  # ttfts 0.5 and 0.2
     assert result.ttft_p95 == pytest.approx(0.2 + 0.3 * 0.95)
-    assert result.itl_p50 == pytest.approx(0.15)  # gaps 0.1 0.2 0.3 0.1
-    assert result.itl_p95 == pytest.approx(0.2 + 0.1 * 0.85)
+    # each request's (last token event − first) / 2 tokens after the first: 0.3 / 2 and 0.4 / 2
+    assert result.itl_p50 == pytest.approx(0.175)
+    assert result.itl_p95 == pytest.approx(0.15 + 0.05 * 0.95)
     assert (result.prompt_tokens, result.max_tokens, result.concurrency) == (16, 3, 1)
     json.dumps(result.as_dict())  # the journal's record
     assert result.as_dict()["errors"] == []
@@ -295,17 +307,65 @@ def test_requests_sent_as_specified(serve: Callable[..., FakeServer]) -> None:
     assert sorted(b["prompt"] for b in server.bodies) == sorted(prompts)
     for body in server.bodies:
         assert body["model"] == MODEL
-        assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+        options = {"include_usage": True, "continuous_usage_stats": True}
+        assert body["stream"] is True and body["stream_options"] == options
         assert body["ignore_eos"] is True and body["temperature"] == 0 and body["max_tokens"] == 3
 
 
-def test_several_tokens_per_chunk_counted_from_usage(serve: Callable[..., FakeServer]) -> None:
+def test_several_tokens_per_chunk_time_per_token_from_running_usage(serve: Callable[..., FakeServer]) -> None:
+    # 12 tokens, one every 50 ms from 0.1 s, sent 3 to an event (vLLM merges the deltas of a stream whose
+    # consumer lags): each event leaves when its third token is made, at 0.2, 0.35, 0.5 and 0.65 s.
+    server = serve(lambda body: (200, answer(12, per_chunk=3, running=True)))
+    clock = ScriptClock([0.0, 0.0, 0.2, 0.35, 0.5, 0.65, 0.65, 0.65, 1.0])
+    result = run_probe(1, server.url, MODEL, cfg(requests=1, max_tokens=12), seed=1, vocab=1024, clock=clock)
+    assert result.tokens == 12 and result.throughput == pytest.approx(12.0)
+    assert result.ttft_p50 == pytest.approx(0.2)
+    # 0.45 s for the 9 tokens after the first event's 3; the gap between events (0.15 s) is 3 tokens' time
+    assert result.itl_p50 == pytest.approx(0.05) and result.itl_p95 == pytest.approx(0.05)
+
+
+def test_several_tokens_per_chunk_with_final_usage_only(serve: Callable[..., FakeServer]) -> None:
+    # No running counts: the first event is taken for one token, vLLM's (last − first) / (n − 1).
     server = serve(lambda body: (200, answer(6, per_chunk=2)))
     clock = ScriptClock([0.0, 0.0, 0.4, 0.6, 0.9, 0.9, 0.9, 1.0])
     result = run_probe(1, server.url, MODEL, cfg(requests=1, max_tokens=6), seed=1, vocab=1024, clock=clock)
     assert result.tokens == 6 and result.throughput == pytest.approx(6.0)
     assert result.ttft_p50 == pytest.approx(0.4)
-    assert result.itl_p50 == pytest.approx(0.25)  # two gaps (0.2, 0.3) between three chunks
+    assert result.itl_p50 == pytest.approx(0.5 / 5)  # not the gaps between chunks (0.2, 0.3)
+
+
+def test_events_delivered_in_bursts(serve: Callable[..., FakeServer]) -> None:
+    # A CPU-starved API server delivers one-token events in bursts: two bursts of 4, 70 ms apart, with
+    # 10 µs between the events of a burst. The gaps' median is 10 µs; the time per token is 10 ms.
+    server = serve(lambda body: (200, answer(8, running=True)))
+    burst = [1.0 + i * 1e-5 for i in range(4)]
+    tokens = [*burst, *(t + 0.07 for t in burst)]
+    clock = ScriptClock([0.0, 0.5, *tokens, tokens[-1], tokens[-1], 2.0])
+    result = run_probe(1, server.url, MODEL, cfg(requests=1, max_tokens=8), seed=1, vocab=1024, clock=clock)
+    assert result.errors == () and result.tokens == 8
+    assert result.itl_p50 == pytest.approx(0.07 / 7 + 3e-5 / 7)
+
+
+def test_the_servers_own_per_request_timing_wins(serve: Callable[..., FakeServer]) -> None:
+    # With --enable-per-request-metrics the usage event carries vLLM's mean_itl_ms: its own
+    # (last_token_ts − first_token_ts) / (n − 1), free of how the events reach the probe.
+    events = [
+        *answer(3)[:-2],
+        usage(3, metrics={"mean_itl_ms": 25.0, "time_to_first_token_ms": 9.0}),
+        "[DONE]",
+    ]
+    server = serve(lambda body: (200, events))
+    clock = ScriptClock([0.0, 0.0, 0.1, 0.1, 0.1, 0.1, 0.1, 1.0])
+    result = run_probe(1, server.url, MODEL, cfg(requests=1), seed=1, vocab=1024, clock=clock)
+    assert result.itl_p50 == pytest.approx(0.025)
+    assert result.ttft_p50 == pytest.approx(0.1)  # the probe's own: vLLM's leaves out the queue
+
+
+def test_one_event_has_no_inter_token_latency(serve: Callable[..., FakeServer]) -> None:
+    server = serve(lambda body: (200, answer(4, per_chunk=4, running=True)))
+    result = run_probe(1, server.url, MODEL, cfg(requests=1, max_tokens=4), seed=1, vocab=1024)
+    assert result.ok == 1 and result.tokens == 4 and result.ttft_p50 is not None
+    assert result.itl_p50 is None and result.itl_p95 is None
 
 
 def test_without_usage_chunk_counts_token_events(serve: Callable[..., FakeServer]) -> None:
@@ -385,3 +445,52 @@ def test_never_raises_on_bad_arguments() -> None:
     result = run_probe(1, "http://127.0.0.1:9", MODEL, cfg(), seed=1, vocab=5)
     assert result.ok == 0 and result.errors[0].startswith("probe failed: ValueError")
     assert result.signals()["probe.errors"] == 2.0
+
+
+# -- `tunerd probe --baseline`: the figures against the baseline's -----------------------------------
+
+
+def test_baseline_comparison_never_shows_a_small_figure_as_zero() -> None:
+    # issue 20: "itl_p95 1.5 ms = 86.42× the baseline's 0.0" — the baseline was 17.4 µs, not zero
+    result = {"throughput": 978.3, "ttft_p95": 0.2363, "itl_p95": 0.0015}
+    baseline = {"probe.throughput": 852.2, "probe.ttft_p95": 0.1149, "probe.itl_p95": 0.0000174}
+    line = compare_with_baseline(result, baseline)
+    assert "throughput 978.3 tok/s = 1.15× the baseline's 852.2" in line
+    assert "ttft_p95 236.3 ms = 2.06× the baseline's 114.9" in line
+    assert "itl_p95 1.5 ms = 86.21× the baseline's 0.0174" in line
+    assert "the baseline's 0.0;" not in line and not line.endswith("the baseline's 0.0")
+
+
+@pytest.mark.parametrize(
+    ("figure", "expected"),
+    [
+        (0.0, "itl_p95 1.5 ms (baseline 0 ms: no ratio)"),
+        (None, "itl_p95 1.5 ms (no baseline figure)"),
+        ("0.002", "itl_p95 1.5 ms (no baseline figure)"),
+        (float("nan"), "itl_p95 1.5 ms (no baseline figure)"),
+    ],
+)
+def test_baseline_comparison_without_a_usable_baseline_gives_no_ratio(figure: Any, expected: str) -> None:
+    baseline = {"probe.throughput": 852.2, "probe.itl_p95": figure}
+    line = compare_with_baseline({"throughput": 900.0, "itl_p95": 0.0015}, baseline)
+    assert expected in line
+    assert "itl_p95 1.5 ms =" not in line and "inf" not in line
+    assert "ttft_p95 ? (no baseline figure)" in line
+
+
+def test_baseline_comparison_without_a_figure_now() -> None:
+    line = compare_with_baseline({"itl_p95": None}, {"probe.itl_p95": 0.004})
+    assert "itl_p95 ? (baseline 4.0 ms: no ratio)" in line and "×" not in line
+    assert compare_with_baseline({"itl_p95": 0.001}, {}).startswith("baseline: none with probe figures")
+
+
+def test_probe_line_shows_a_time_per_token_of_a_few_ms() -> None:
+    figures = {
+        "throughput": 978.3,
+        "ttft_p50": 0.129,
+        "ttft_p95": 0.236,
+        "itl_p50": 0.0037,
+        "itl_p95": 0.0052,
+    }
+    line = probe_line({**figures, "errors": [], "requests": 8})
+    assert line == "978.3 tok/s, TTFT p50/p95 129/236 ms, ITL p50/p95 3.7/5.2 ms, 0 errors of 8 requests"

@@ -128,21 +128,34 @@ BASELINE_FIGURES = (
 
 
 def compare_with_baseline(result: Record, baseline: dict[str, Any]) -> str:
-    """The probe's figures against the baseline's probe figures, as ratios (1.00: unchanged)."""
+    """The probe's figures against the baseline's probe figures, as ratios (1.00: unchanged). A ratio
+    only against a baseline figure above zero: a zero, missing or unreadable one is named, never
+    divided by; values keep three significant digits, so a small one never prints as 0.0."""
     if not any(key in baseline for _, key, _, _ in BASELINE_FIGURES):
         return "baseline: none with probe figures yet (recorded at the first start and after each kept trial)"
     parts = []
     for field, key, unit, scale in BASELINE_FIGURES:
-        now, then = result.get(field), baseline.get(key)
-        if now is None or then is None:
-            parts.append(f"{field} ? (baseline {then})")
-        elif then == 0:
-            parts.append(f"{field} {now * scale:.1f} {unit} (baseline 0)")
+        now, then = _finite(result.get(field)), _finite(baseline.get(key))
+        shown = "?" if now is None else f"{_figure(now * scale)} {unit}"
+        if then is None:
+            parts.append(f"{field} {shown} (no baseline figure)")
+        elif now is None or then <= 0:
+            parts.append(f"{field} {shown} (baseline {_figure(then * scale)} {unit}: no ratio)")
         else:
-            parts.append(
-                f"{field} {now * scale:.1f} {unit} = {now / then:.2f}× the baseline's {then * scale:.1f}"
-            )
+            parts.append(f"{field} {shown} = {now / then:.2f}× the baseline's {_figure(then * scale)}")
     return "against the baseline: " + "; ".join(parts)
+
+
+def _finite(value: Any) -> float | None:
+    """A number to compare, or None (absent, not a number, infinite)."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def _figure(value: float) -> str:
+    """One decimal from 1 up (978.3, 4.6), three significant digits below (0.0174, 0.5)."""
+    return f"{value:.1f}" if abs(value) >= 1 else f"{value:.3g}"
 
 
 # -- tunerd explore ------------------------------------------------------------------------------------

@@ -104,14 +104,14 @@ def _duration(seconds: Any) -> str:
 def probe_line(figures: dict[str, Any]) -> str:
     """One probe's figures on a line: tokens/s, TTFT and ITL p50/p95, errors."""
 
-    def ms(key: str) -> str:
+    def ms(key: str, decimals: int = 0) -> str:
         value = figures.get(key)
-        return "?" if value is None else f"{value * 1000:.0f}"
+        return "?" if value is None else f"{value * 1000:.{decimals}f}"
 
     throughput = figures.get("throughput")
     rate = "?" if throughput is None else f"{throughput:.1f}"
     return (
         f"{rate} tok/s, TTFT p50/p95 {ms('ttft_p50')}/{ms('ttft_p95')} ms, "
-        f"ITL p50/p95 {ms('itl_p50')}/{ms('itl_p95')} ms, {len(figures.get('errors') or [])} errors "
+        f"ITL p50/p95 {ms('itl_p50', 1)}/{ms('itl_p95', 1)} ms, {len(figures.get('errors') or [])} errors "
         f"of {figures.get('requests', '?')} requests"
     )

@@ -114,8 +114,8 @@ SIGNAL_TABLE: tuple[tuple[str, str, str, object, str, str], ...] = (
             ("throughput", "tokens/s", "generated tokens per second of the last probe (all its requests)"),
             ("ttft_p50", "s", "median time to first token of the last probe's requests"),
             ("ttft_p95", "s", "0.95 quantile of the last probe's times to first token"),
-            ("itl_p50", "s", "median gap between streamed tokens of the last probe"),
-            ("itl_p95", "s", "0.95 quantile of the last probe's gaps between streamed tokens"),
+            ("itl_p50", "s", "median over the last probe's requests of their times per output token"),
+            ("itl_p95", "s", "0.95 quantile over the last probe's requests of their times per output token"),
             ("errors", "requests", "requests of the last probe that failed"),
             ("age_s", "s", "seconds since the last probe finished"),
         )

