@@ -2,6 +2,8 @@
 
 `load_config(path)` returns a `Config` or raises `ConfigError` whose `problems` are lines of the form
 `file: key: reason` — what `tunerd check-config` prints and what `tunerd run` prints before exiting 78.
+Types are strict where TOML writes them: a boolean is not a count, `"3"` is not a number, `3.5` is not
+a whole number (an integer stands for a float: `60` seconds). A path has no TOML literal: it is a string.
 Just over 400 lines: the sections of tunerd.toml are one schema, each with its defaults beside it (the
 door's and the rules' schemas have their own modules).
 """
@@ -13,7 +15,7 @@ import tomllib
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -33,6 +35,29 @@ MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _paths_from_strings(cls, data: Any) -> Any:
+        """TOML has no path literal: a path field is written as a string, which strict validation (see
+        `parse_config`) would refuse as "not an instance of Path"; make it one first."""
+        if not isinstance(data, dict):
+            return data
+        paths = _path_fields(cls)
+        return {
+            key: Path(value) if key in paths and isinstance(value, str) else value
+            for key, value in data.items()
+        }
+
+
+def _path_fields(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of `model` annotated `Path` or `Path | None`."""
+    found = set()
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if annotation is Path or Path in get_args(annotation):
+            found.add(name)
+    return frozenset(found)
 
 
 class NumactlConfig(_Section):
@@ -284,6 +309,14 @@ class TuningConfig(_Section):
     explore_tolerance: float = Field(default=0.03, ge=0, lt=1)  # a step must improve the probe by more
     bounds: dict[str, tuple[float, float]] = Field(default_factory=dict)
 
+    @field_validator("bounds", mode="before")
+    @classmethod
+    def _bounds_from_arrays(cls, value: Any) -> Any:
+        """TOML writes a pair as an array (`[8, 64]`); strict validation takes only a tuple for one."""
+        if isinstance(value, dict):
+            return {k: tuple(v) if isinstance(v, list) else v for k, v in value.items()}
+        return value
+
     @field_validator("bounds")
     @classmethod
     def _bounds_name_tunables(cls, value: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
@@ -375,9 +408,10 @@ def load_config(path: str | os.PathLike[str]) -> Config:
 
 
 def parse_config(data: dict[str, Any], name: str = "<config>") -> Config:
-    """Validate an already-parsed TOML document. Raises ConfigError."""
+    """Validate an already-parsed TOML document, strictly (TOML is typed: `max_failures = true` is a
+    boolean, not a count; pydantic's lax mode would read it as 1). Raises ConfigError."""
     try:
-        return Config.model_validate(data)
+        return Config.model_validate(data, strict=True)
     except ValidationError as exc:
         raise ConfigError([_format_error(name, err) for err in exc.errors()]) from None
 
