@@ -179,6 +179,32 @@ def test_a_filesystem_without_collapse_falls_back_to_copytruncate_once_and_for_a
     assert bounded.rotations == 3
 
 
+def test_the_engine_classifies_the_fatal_line_past_rotations_and_its_tail_is_the_logs_end(
+    tmp_path: Path,
+) -> None:
+    """The failure journal's "last lines of the log" (run.tail) still end with vLLM's last words."""
+    fake_os = FakeOsCalls(str(tmp_path / "proc"))
+    engine = Engine(
+        oscalls=fake_os,
+        marker="m",
+        log_dir=tmp_path / "logs",
+        logs_kept=2,
+        on_transition=lambda *_: None,
+        log_cap=LogCap(CAP, backups=1),
+    )
+    run = engine.spawn(["vllm", "serve"], {"PATH": "/bin"}, EngineParams(), 100.0, FIXED_WALL)
+    for i in range(10):
+        fake_os.write_log(run.pid, *[f"{ACCESS} #{i}.{n}" for n in range(CAP // 100)])
+        assert not [e for e in engine.poll(100.0 + i) if isinstance(e, EngineFailure)]
+    fake_os.write_log(run.pid, FATAL, "(APIServer pid=1) INFO:     Shutting down")
+    fake_os.exit(run.pid, 0)
+    events = engine.poll(111.0)
+    assert EngineFailure(FailureKind.ENGINE_DEAD, FATAL) in events
+    assert run.tail[-2:] == [FATAL, "(APIServer pid=1) INFO:     Shutting down"]
+    assert isinstance(run.follower, BoundedLogFollower) and run.follower.rotations >= 4
+    assert run.log_path.stat().st_size <= 2 * CAP
+
+
 # -- the runs kept -------------------------------------------------------------------------------------
 
 
