@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from tests.unit.fakes import FIXED_WALL, EngineScript, FakeOsCalls
+from tests.harness import free_port
+from tests.unit.fakes import FIXED_WALL, EngineScript, FakeOsCalls, make_rig
 from tunerd.config import Config
 from tunerd.core.failures import EngineFailure, FailureKind
 from tunerd.core.params import EngineParams
@@ -261,6 +262,31 @@ def test_each_start_keeps_logs_kept_runs_including_their_rotated_copies(tmp_path
             runs[3].log_path.name + ".1",
         ]
     )
+
+
+def test_behind_the_door_the_start_passes_the_access_log_flag_and_the_configured_cap(tmp_path: Path) -> None:
+    door = {"enabled": True, "port": free_port()}
+    rig = make_rig(
+        tmp_path, {"door": door, "paths": {"engine_log_max_bytes": 1 << 20, "engine_log_backups": 3}}
+    )
+    run = rig.start()
+    assert "--disable-uvicorn-access-log" in rig.os.spawns[-1].argv
+    assert isinstance(run.follower, BoundedLogFollower) and run.follower.cap == LogCap(1 << 20, 3)
+
+
+def test_a_reload_changes_the_cap_and_the_runs_kept_for_the_next_start(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    rig.lifecycle.config = rig.config.model_copy(
+        update={
+            "paths": rig.config.paths.model_copy(
+                update={"engine_log_max_bytes": 1 << 20, "engine_logs_kept": 4}
+            )
+        }
+    )
+    run = rig.start()
+    assert "--disable-uvicorn-access-log" not in rig.os.spawns[-1].argv  # no door: vLLM's log is the record
+    assert isinstance(run.follower, BoundedLogFollower) and run.follower.cap == LogCap(1 << 20, 1)
+    assert rig.lifecycle.engine.logs_kept == 4
 
 
 # -- the configuration -----------------------------------------------------------------------------------
