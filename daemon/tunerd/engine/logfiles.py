@@ -12,7 +12,8 @@ When the live log has grown past `max_bytes`, its head (the part already read an
 - where the filesystem has `fallocate(FALLOC_FL_COLLAPSE_RANGE)` (ext4, XFS: the usual /var/lib), the
   head is cut out of the file in one call that appends cannot interleave with, so nothing vLLM writes
   is lost, and only bytes the follower has read are cut (the line that says why vLLM died is read,
-  classified and kept in the run's tail whichever file it ends up in);
+  classified and kept in the run's tail whichever file it ends up in); the cut is block-aligned, so
+  `.1` may end, and the live file begin, in the middle of a line;
 - elsewhere (tmpfs, btrfs, NFS) it falls back to logrotate's `copytruncate`: the rest is read, the file
   truncated at once, and the bytes vLLM appends in the microseconds between that read and the truncate
   are lost — rare enough (one rotation per `max_bytes`) to accept where the kernel offers nothing better.
