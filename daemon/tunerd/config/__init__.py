@@ -78,6 +78,8 @@ class EngineConfig(_Section):
     extra_args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
     numactl: NumactlConfig = Field(default_factory=NumactlConfig)
+    # vLLM's per-request (uvicorn) access log: "auto" = off while [door] is on, "on", "off".
+    access_log: Literal["auto", "on", "off"] = "auto"
 
     @field_validator("command")
     @classmethod
@@ -143,6 +145,10 @@ class PathsConfig(_Section):
     journal: Path | None = None
     socket: Path | None = None
     engine_logs_kept: int = Field(default=10, ge=1)
+    # One run's live log is rotated past this size (below 64 KiB a rotation would come every few
+    # seconds under load); `engine_log_backups` rotated copies are kept beside it (0: none).
+    engine_log_max_bytes: int = Field(default=16 * 1024 * 1024, ge=64 * 1024)
+    engine_log_backups: int = Field(default=1, ge=0, le=99)
 
     @model_validator(mode="after")
     def _socket_path_fits(self) -> PathsConfig:
