@@ -327,8 +327,8 @@ class Explorer:
         )
 
     def _probe_score(self, result: ProbeResult) -> tuple[float | None, float | None]:
-        """(the probe's value of the objective, None) when it met the latency limits; (None, how far it broke the
-        worst one) when it broke one; (None, None) when it failed."""
+        """(the probe's value of the objective, None) when it met the latency limits; (None, how far it
+        broke the worst one) when it broke one; (None, None) when it failed."""
         if result.errors:
             return None, None
         tuning = self.config().tuning
