@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from tunerd.engine.admin import dev_mode, reset_prefix_cache
+from tunerd.faces.http import SHUTDOWN_POLL_S  # shutdown() waits up to one poll
 
 DONE = (200, b'{"success":true}')
 IN_USE = (200, b'{"success":false}')
@@ -51,7 +52,7 @@ class ScriptServer:
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        threading.Thread(target=self.httpd.serve_forever, args=(SHUTDOWN_POLL_S,), daemon=True).start()
 
     def close(self) -> None:
         self.httpd.shutdown()
