@@ -74,12 +74,16 @@ class Commands:
         door_link: Callable[[], DoorLink | None],
         *,
         recorder: Recorder,
+        cache_reset: Callable[[str], None] | None = None,
     ) -> None:
         self.life = lifecycle
         self.tuner = tuner
         self.prober = prober
         self.door_link = door_link
         self.rec = recorder
+        # `tunerd cache-reset`: the off-peak reset now (supervise.cache_reset.CacheReset.due with the
+        # loop's signals; its trigger is the command's token).
+        self.cache_reset = cache_reset
 
     def run(self, command: Command) -> None:
         life, tuner = self.life, self.tuner
@@ -104,6 +108,8 @@ class Commands:
             why = tuner.explore(list(command.names), reason)
             if why is not None:
                 self.rec.record("explore.refused", params=list(command.names), reason=why, trigger=reason)
+        elif command.name == "cache-reset" and self.cache_reset is not None:
+            self.cache_reset(command.reason or "operator cache-reset")
 
     def _probe(self, trigger: str) -> None:
         """`tunerd probe`: one probe now; its `probe.result` (or why it did not run) is journaled."""

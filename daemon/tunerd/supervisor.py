@@ -187,8 +187,14 @@ class Supervisor:
             recall=recall,
             knobs=self.door_link,
         )
+        cache_reset = self.cache_reset
         self.commands = Commands(
-            self.lifecycle, self.tuner, self.prober, lambda: self.door_link, recorder=self.recorder
+            self.lifecycle,
+            self.tuner,
+            self.prober,
+            lambda: self.door_link,
+            recorder=self.recorder,
+            cache_reset=lambda trigger: cache_reset.due(self.signals, trigger),
         )
         self._schedule()
         params, why = self.lifecycle.initial_params()

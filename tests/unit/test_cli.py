@@ -97,3 +97,15 @@ def test_restart_without_a_daemon_says_so(tmp_path: Path, capsys: pytest.Capture
     config.write_text(f'[engine]\nmodel = "m"\n[export]\nport = 1\n[paths]\nstate_dir = "{tmp_path}"\n')
     assert main(["restart", "--set", "max_num_seqs=8", "--config", str(config)]) == 3
     assert "cannot reach the daemon" in capsys.readouterr().err
+
+
+def test_cache_reset_answers_say_what_vllm_did_and_exit_0_only_when_it_reset() -> None:
+    from tunerd.cli.probe import cache_reset_answer
+
+    done = {"event": "cache_reset.done", "attempts": 3, "seconds": 0.41, "before": {"kv_cache.usage": 0.4},
+            "after": {"kv_cache.usage": 0.0}}  # fmt: skip
+    assert cache_reset_answer(done) == ("cache reset: done (3 attempts, 0.41 s); kv_cache.usage 0.4 → 0.0", 0)
+    skipped = {"event": "cache_reset.skipped", "reason": "vLLM is not idle"}
+    assert cache_reset_answer(skipped) == ("tunerd cache-reset: it did not run: vLLM is not idle", 1)
+    failed = {"event": "cache_reset.failed", "attempts": 6, "detail": "HTTP 200; gave up after 6 attempts"}
+    assert cache_reset_answer(failed)[1] == 1 and "failed after 6 attempts" in cache_reset_answer(failed)[0]
