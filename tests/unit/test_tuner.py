@@ -214,6 +214,7 @@ def make_tuner(
         wallclock=lambda: _wall(rig),
         recall=recall,
     )
+    rig.on_change = tuner.on_change  # the loop delivers a change's outcome to the tuner
     sim = TunerRig(rig, tuner, SimEngine(landscape or LANDSCAPE), SignalWindow(rig.config.observe.window_s))
     rig.serve()
     if memory is not None:  # what the identity job finds once vLLM serves: the memory's key needs it
@@ -343,9 +344,10 @@ def test_an_operator_restart_during_a_trial_ends_it_as_aborted(tmp_path: Path) -
     sim = make_tuner(tmp_path)
     sim.run_until(lambda: sim.tuner.trial is not None and sim.tuner.trial.phase is Phase.EVALUATING)
     assert sim.rig.lifecycle.restart(EngineParams(max_num_seqs=24), "operator restart", action="change")
+    sim.rig.deliver()  # the loop delivers the change's outcome (aborted) to the tuner
     aborted = sim.rig.last("trial.aborted")
     assert "superseded" in aborted["reason"] and aborted["new"] == 16
-    assert sim.tuner.trial is None and sim.rig.lifecycle.trial is None
+    assert sim.tuner.trial is None and sim.rig.lifecycle.slot.current is None
 
 
 def test_a_load_that_goes_away_makes_the_result_inconclusive_and_reverts(tmp_path: Path) -> None:
