@@ -103,6 +103,11 @@ class ChangeSlot:
         """A change is in flight, or an owner holds the slot between its changes."""
         return self.current is not None or self.held_by is not None
 
+    def holds(self, change_id: int) -> bool:
+        """`change_id` is the change in flight. An owner whose change is not (any more) waits for its
+        outcome, posted on the loop's queue, before deciding anything about it."""
+        return self.current is not None and self.current.change_id == change_id
+
     def hold(self, owner: Owner) -> None:
         """`owner` works across several changes (an exploration): nothing is promoted by time until
         `release`."""

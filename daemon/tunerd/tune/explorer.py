@@ -259,9 +259,17 @@ class Explorer:
         return ex.change_id is not None
 
     def _end_change(self, ex: Exploration, *, keep: bool, reason: str, promote: bool = True) -> bool:
-        return ex.change_id is not None and self.life.slot.end(
+        ended = ex.change_id is not None and self.life.slot.end(
             ex.change_id, keep=keep, reason=reason, promote=promote
         )
+        if ended and keep:
+            ex.change_id = None  # kept: nothing of it is in flight any more
+        return ended
+
+    def _outcome_pending(self, ex: Exploration) -> bool:
+        """Its change ended in the lifecycle (aborted, reverted) and the outcome is on the loop's queue:
+        nothing is decided about it until then."""
+        return ex.change_id is not None and not self.life.slot.holds(ex.change_id)
 
     def _restarted(self, ex: Exploration, step: Step, now: float) -> None:
         ex.restarts += 1
@@ -270,7 +278,7 @@ class Explorer:
 
     def step(self, now: float) -> None:
         ex = self.current
-        if ex is None:
+        if ex is None or self._outcome_pending(ex):
             return
         if ex.step is Step.PLANNING and ex.plan is not None and ex.plan.done():
             self._planned(ex, now)
@@ -285,7 +293,7 @@ class Explorer:
     def _measured(self, result: ProbeResult | None, why: str | None) -> None:
         """The point's probe is done; scored now, or (live objective) once its live window is whole."""
         ex, now = self.current, self.monotonic()
-        if ex is None or ex.step is not Step.MEASURING:
+        if ex is None or ex.step is not Step.MEASURING or self._outcome_pending(ex):
             return
         if self._window_full(ex, now):
             self._scored(ex, result, why, now)
@@ -488,6 +496,8 @@ class Explorer:
         ex = self.current
         if ex is None or ex.change_id != event.change_id:
             return
+        if event.outcome in (Outcome.REVERTED, Outcome.ABORTED):
+            ex.change_id = None  # the change is over
         if event.outcome is Outcome.SERVING:
             self._serving(ex, event.at)
         elif event.outcome is Outcome.FAILED:

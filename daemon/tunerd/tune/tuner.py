@@ -357,6 +357,8 @@ class Tuner:
         trial = self.trial
         if trial is None:
             return
+        if trial.change_id is not None and not self.life.slot.holds(trial.change_id):
+            return  # its change ended (aborted, reverted): the outcome is on the loop's queue
         tuning = self.config.tuning
         if trial.phase is Phase.PLANNING and trial.plan is not None and trial.plan.done():
             self._planned(trial, now)
