@@ -9,6 +9,14 @@ outcomes are posted on the loop's queue (`post`); the front door's drain before 
 `drain.Drain`'s, over the door's side given at construction; what the state file remembers of the engine
 is `engine_facts`'.
 
+One desired start, reconciled each step: `pending` (a `PendingStart`: parameters, intent, not before)
+is set by every reason to run vLLM — the daemon's start, an operator restart or a reload (`restart`,
+`resume`), a change and its revert (the slot), the failure policy's recovery (backoff, correction,
+rollback) — one replacing the other (journaled as aborted, "superseded by …"); `step` converges on it: a
+start once no process runs and its time has come. What runs is stopped by the reason itself (a planned
+stop, drained first; a failure's stop), not by the reconciliation: the order of a restart's journal
+(intent, drain, stop, start) stays what it was.
+
 Over 400 lines on purpose: this is the one state machine of the engine's life, and its transitions (a
 failure → stop with the right grace → back off, correct, roll back or FATAL) read best in one place.
 """
