@@ -52,7 +52,8 @@ from tunerd.records.recorder import Recorder
 from tunerd.records.state import StateStore
 from tunerd.supervise.cache_reset import CacheReset
 from tunerd.supervise.capacity import CalibrationDone
-from tunerd.supervise.door_link import DOOR_EVENTS, DoorLink
+from tunerd.supervise.change import ChangeEvent
+from tunerd.supervise.door_link import DOOR_EVENTS, DoorLink, Upstream
 from tunerd.supervise.lifecycle import ACTIVE, Lifecycle
 from tunerd.tune.prober import Prober
 from tunerd.tune.recall import Recall
@@ -137,6 +138,7 @@ class Supervisor:
             log.warning("journal.intents_aborted", intents=report.aborted_intents)
         self._start_exporter()
         door = self._start_door()
+        upstream = Upstream(door) if door is not None else None
         self._start_operator_socket()
         self.lifecycle = Lifecycle(
             self.config,
@@ -147,12 +149,14 @@ class Supervisor:
             metrics=self.metrics,
             on_status_change=self._status_changed,
             background=self.jobs.run_once,
+            post=self.events.put,  # a change's outcome (ChangeEvent) comes back through the loop
+            door=upstream,
             submit=self.jobs.submit,
             monotonic=self.monotonic,
             wallclock=self.wallclock,
         )
-        if door is not None:
-            self.door_link = DoorLink(door, self.lifecycle, recorder=self.recorder)
+        if upstream is not None:
+            self.door_link = DoorLink(upstream, self.lifecycle, recorder=self.recorder)
         recall = Recall(
             Experience(experience_path(self.config.paths.state_dir)),
             self.lifecycle,
@@ -356,6 +360,9 @@ class Supervisor:
             self._on_command(event)
         elif isinstance(event, Asked):
             self._on_asked(event)
+        elif isinstance(event, ChangeEvent):
+            assert self.tuner is not None
+            self.tuner.on_change(event)  # to the trial or the exploration that requested it
         elif isinstance(event, DOOR_EVENTS):
             assert self.door_link is not None
             self.door_link.on_event(event)

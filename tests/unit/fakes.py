@@ -28,6 +28,7 @@ from tunerd.records.journal import Journal, Record, read_records
 from tunerd.records.metrics import Metrics
 from tunerd.records.recorder import Recorder
 from tunerd.records.state import DaemonState, StateStore
+from tunerd.supervise.change import ChangeEvent
 from tunerd.supervise.lifecycle import Lifecycle
 from tunerd.supervise.preflight import Submit, run_here
 
@@ -306,6 +307,8 @@ class Rig:
     lifecycle: Lifecycle
     background: list[Callable[[], Any]]
     transitions: list[tuple[EngineState, EngineState]]
+    posted: list[object]  # what the lifecycle posted on the loop's queue (ChangeEvent), not yet delivered
+    on_change: Callable[[ChangeEvent], None] | None = None  # who the loop delivers a change's outcome to
 
     # -- driving ---------------------------------------------------------------------------------
 
@@ -326,6 +329,14 @@ class Rig:
     def step(self, seconds: float = 0.0) -> None:
         self.clock.advance(seconds)
         self.lifecycle.step(self.clock.now)
+        self.deliver()
+
+    def deliver(self) -> None:
+        """The loop's dispatch: what the lifecycle posted goes to `on_change`, in order."""
+        while self.posted:
+            event = self.posted.pop(0)
+            if self.on_change is not None and isinstance(event, ChangeEvent):
+                self.on_change(event)
 
     def step_until(self, done: Callable[[], bool], tick: float = 0.1, limit: int = 10_000) -> None:
         """Step the fake clock by `tick` until `done()` (bounded: fails rather than spins)."""
@@ -349,6 +360,7 @@ class Rig:
 
     def health(self, ok: bool = True) -> None:
         self.lifecycle.on_health(HealthResult(self.run.run_id, ok, "200" if ok else "503"), self.now)
+        self.deliver()
 
     def serve(self) -> EngineRun:
         """Start and answer /health 200: RUNNING."""
@@ -408,6 +420,7 @@ def make_rig(
     store = StateStore(config.paths.state_file)
     state = dstate or DaemonState()
     background: list[Callable[[], Any]] = []
+    posted: list[object] = []
     lifecycle = Lifecycle(
         config,
         oscalls=oscalls,
@@ -417,6 +430,7 @@ def make_rig(
         metrics=metrics,
         on_status_change=lambda: None,
         background=background.append,
+        post=posted.append,
         submit=submit,
         monotonic=clock,
         wallclock=fixed_wall,
@@ -444,4 +458,5 @@ def make_rig(
         lifecycle,
         background,
         transitions,
+        posted,
     )

@@ -140,6 +140,7 @@ def make_explorer(
         save_state=rig.lifecycle.save_state, metrics=rig.metrics, submit=run_here,
         wallclock=lambda: _wall(rig), prober=prober, recall=recall,
     )  # fmt: skip
+    rig.on_change = tuner.on_change  # the loop delivers a change's outcome to the tuner
     sim = ExploreRig(
         rig,
         tuner,
@@ -176,7 +177,7 @@ def test_an_exploration_finds_the_peak_and_makes_it_last_known_good(tmp_path: Pa
     trial_intents = [i for i in sim.rig.intents("trial") if i["trial"] == started["explore"]]
     assert finished["restarts"] == len(trial_intents) == len(points) + 1 == 7
     assert finished["restarts"] <= started["at_most_restarts"]
-    assert sim.tuner.exploring is False and sim.rig.lifecycle.hold_promotion is False
+    assert sim.tuner.exploring is False and not sim.rig.lifecycle.slot.in_flight
 
 
 class PeakAt4(dict[int, Perf]):
@@ -348,7 +349,7 @@ def test_the_periodic_probe_is_skipped_while_busy_and_during_an_exploration(tmp_
     assert sim.rig.last("probe.result")["trigger"] == "periodic" and sim.probe.calls == calls + 1
     assert prober.signals(sim.now)["probe.throughput"] == peak_at_8(32)
     assert sim.tuner.explore(["max_num_seqs"], "test") is None
-    sim.run_until(lambda: sim.rig.lifecycle.trial is not None)
+    sim.run_until(lambda: sim.rig.lifecycle.slot.current is not None)
     prober.due("periodic", busy=0.0)
     assert sim.rig.last("probe.skipped")["reason"] == "a trial or an exploration is running"
 

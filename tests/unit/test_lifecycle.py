@@ -459,6 +459,7 @@ def test_a_known_good_of_the_default_parameters_survives_a_daemon_restart(tmp_pa
         metrics=rig.metrics,
         on_status_change=lambda: None,
         background=rig.background.append,
+        post=rig.posted.append,
         monotonic=rig.clock,
         wallclock=fixed_wall,
     )

@@ -62,6 +62,7 @@ def make(tmp_path: Path, *, door: bool = True) -> tuple[TunerRig, FakeKnobs]:
         dstate=rig.dstate, save_state=rig.lifecycle.save_state, metrics=rig.metrics, submit=run_here,
         wallclock=lambda: _wall(rig), knobs=knobs if door else None,
     )  # fmt: skip
+    rig.on_change = tuner.on_change  # the loop delivers a change's outcome to the tuner
     engine = CappedEngine(LANDSCAPE, knobs=knobs)
     sim = TunerRig(rig, tuner, engine, SignalWindow(20.0))
     rig.serve()

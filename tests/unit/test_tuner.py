@@ -214,6 +214,7 @@ def make_tuner(
         wallclock=lambda: _wall(rig),
         recall=recall,
     )
+    rig.on_change = tuner.on_change  # the loop delivers a change's outcome to the tuner
     sim = TunerRig(rig, tuner, SimEngine(landscape or LANDSCAPE), SignalWindow(rig.config.observe.window_s))
     rig.serve()
     if memory is not None:  # what the identity job finds once vLLM serves: the memory's key needs it
@@ -343,9 +344,24 @@ def test_an_operator_restart_during_a_trial_ends_it_as_aborted(tmp_path: Path) -
     sim = make_tuner(tmp_path)
     sim.run_until(lambda: sim.tuner.trial is not None and sim.tuner.trial.phase is Phase.EVALUATING)
     assert sim.rig.lifecycle.restart(EngineParams(max_num_seqs=24), "operator restart", action="change")
+    sim.rig.deliver()  # the loop delivers the change's outcome (aborted) to the tuner
     aborted = sim.rig.last("trial.aborted")
     assert "superseded" in aborted["reason"] and aborted["new"] == 16
-    assert sim.tuner.trial is None and sim.rig.lifecycle.trial is None
+    assert sim.tuner.trial is None and sim.rig.lifecycle.slot.current is None
+
+
+def test_a_trial_aborted_in_the_lifecycle_is_not_decided_before_its_outcome_arrives(tmp_path: Path) -> None:
+    # The outcome comes back through the loop's queue: between the abort and its delivery, the tuner's
+    # step must not judge (and keep or revert) a change the lifecycle no longer runs.
+    sim = make_tuner(tmp_path)
+    sim.run_until(lambda: sim.tuner.trial is not None and sim.tuner.trial.phase is Phase.EVALUATING)
+    assert sim.rig.lifecycle.restart(EngineParams(max_num_seqs=24), "operator restart", action="change")
+    sim.rig.clock.advance(sim.rig.config.tuning.window_s + sim.rig.config.tuning.max_extend_s)
+    sim.tuner.step(sim.now)  # the after window is over, the outcome not yet delivered
+    assert not sim.decided()
+    sim.rig.deliver()
+    assert sim.rig.last("trial.aborted")["new"] == 16 and sim.tuner.trial is None
+    assert not sim.decided()
 
 
 def test_a_load_that_goes_away_makes_the_result_inconclusive_and_reverts(tmp_path: Path) -> None:

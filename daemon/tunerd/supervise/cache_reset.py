@@ -60,7 +60,7 @@ class CacheReset:
             return "a reset is running"
         if self.life.engine.state is not EngineState.RUNNING or self.life.engine.run is None:
             return f"vLLM is {self.life.engine.state.name}"
-        if self.life.trial is not None or self.life.hold_promotion:
+        if self.life.slot.in_flight:
             return "a trial or an exploration is running"
         engine = self.config.engine
         allowed, why = dev_mode(build_env(engine), engine.host)

@@ -29,14 +29,32 @@ log = structlog.get_logger("tunerd")
 DOOR_EVENTS = (DoorDrained, DoorReleased, DoorFailed)
 
 
-class DoorLink:
-    def __init__(self, door: Door, lifecycle: Lifecycle, *, recorder: Recorder) -> None:
+class Upstream:
+    """What the door is told of vLLM (only what changed). Made before the lifecycle, which holds it as
+    its door's drain (`supervise/drain.DoorDrain`): a planned stop tells the door "draining"."""
+
+    def __init__(self, door: Door) -> None:
         self.door = door
+        self._upstream: tuple[str | None, UpstreamState, str] | None = None
+
+    def drain(self, reason: str) -> None:
+        self.set(None, "draining", reason)
+
+    def set(self, url: str | None, state: UpstreamState, reason: str) -> None:
+        upstream = (url, state, reason)
+        if upstream != self._upstream:
+            self._upstream = upstream
+            self.door.set_upstream(url, state, reason)
+
+
+class DoorLink:
+    def __init__(self, upstream: Upstream, lifecycle: Lifecycle, *, recorder: Recorder) -> None:
+        self.door = upstream.door
+        self.upstream = upstream
         self.life = lifecycle
         self.rec = recorder
-        self._upstream: tuple[str | None, UpstreamState, str] | None = None
         self._run_id: int | None = None
-        lifecycle.drain = self._drain
+        door = self.door
         self.max_in_flight = lifecycle.config.door.max_in_flight
         saved = lifecycle.dstate.door_max_in_flight
         if saved is not None:  # what a trial or the operator set survives a daemon restart
@@ -72,26 +90,17 @@ class DoorLink:
         """Tell the door what vLLM is now (only what changed)."""
         life = self.life
         run, state = life.engine.run, life.engine.state
-        if life.draining is not None:
+        if life.stop_drain.draining is not None:
             return  # "draining" holds until the stop begins
         if state is EngineState.RUNNING and run is not None and run.ready_mono is not None:
-            self._set(run.base_url, "serving", "")
+            self.upstream.set(run.base_url, "serving", "")
         elif state is EngineState.FATAL:
-            self._set(None, "fatal", f"vLLM is FATAL: {life.fatal_reason or 'see tunerd status'}")
+            self.upstream.set(None, "fatal", f"vLLM is FATAL: {life.fatal_reason or 'see tunerd status'}")
         else:
-            self._set(None, "down", f"vLLM is {state.name}")
+            self.upstream.set(None, "down", f"vLLM is {state.name}")
         if run is not None and state in ACTIVE and run.run_id != self._run_id:
             self._run_id = run.run_id
             self.door.set_max_model_len(run.params.max_model_len)
-
-    def _drain(self, reason: str) -> None:
-        self._set(None, "draining", reason)
-
-    def _set(self, url: str | None, state: UpstreamState, reason: str) -> None:
-        upstream = (url, state, reason)
-        if upstream != self._upstream:
-            self._upstream = upstream
-            self.door.set_upstream(url, state, reason)
 
     # -- what the door reports ------------------------------------------------------------------------
 
@@ -99,7 +108,7 @@ class DoorLink:
         if isinstance(event, DoorDrained):
             self.rec.record("door.drained", **asdict(event))
             log.info("door.drained", **asdict(event))
-            self.life.drained()
+            self.life.stop_drain.drained()
         elif isinstance(event, DoorReleased):
             self.rec.record("door.released", **asdict(event))
         elif isinstance(event, DoorFailed):

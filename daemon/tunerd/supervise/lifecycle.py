@@ -4,8 +4,18 @@ upgrade guard.
 
 Owned by the supervisor's loop thread; no threads, no sleeps, no blocking I/O beyond the journal and
 the state file. Decisions come from `policy/` (pure); process work from `engine/`; the start from
-`starting`; a tuning trial's side from `trial_host`; what the state file remembers of the engine from
-`engine_facts`.
+`starting`; the change in flight (a trial's, an exploration's) is the `change.ChangeSlot`'s, whose
+outcomes are posted on the loop's queue (`post`); the front door's drain before a planned stop is
+`drain.Drain`'s, over the door's side given at construction; what the state file remembers of the engine
+is `engine_facts`'.
+
+One desired start, reconciled each step: `pending` (a `PendingStart`: parameters, intent, not before)
+is set by every reason to run vLLM — the daemon's start, an operator restart or a reload (`restart`,
+`resume`), a change and its revert (the slot), the failure policy's recovery (backoff, correction,
+rollback) — one replacing the other (journaled as aborted, "superseded by …"); `step` converges on it: a
+start once no process runs and its time has come. What runs is stopped by the reason itself (a planned
+stop, drained first; a failure's stop), not by the reconciliation: the order of a restart's journal
+(intent, drain, stop, start) stays what it was.
 
 Over 400 lines on purpose: this is the one state machine of the engine's life, and its transitions (a
 failure → stop with the right grace → back off, correct, roll back or FATAL) read best in one place.
@@ -38,12 +48,12 @@ from tunerd.records.metrics import Metrics
 from tunerd.records.recorder import Recorder
 from tunerd.records.state import DaemonState, StateStore
 from tunerd.supervise.capacity import CalibrationDone, Capacity
-from tunerd.supervise.drain_host import DrainHost
+from tunerd.supervise.change import ChangeSlot, Owner
+from tunerd.supervise.drain import DoorDrain, Drain
 from tunerd.supervise.engine_facts import EngineFacts, identity_job
 from tunerd.supervise.preflight import Submit, run_here
 from tunerd.supervise.run_guards import RunGuards
 from tunerd.supervise.starting import PendingStart, Refused, Starter, Waiting
-from tunerd.supervise.trial_host import TrialHost
 
 log = structlog.get_logger("tunerd")
 
@@ -54,7 +64,7 @@ CALIBRATES = (FailureKind.KV_CACHE_TOO_SMALL, FailureKind.NO_KV_MEMORY, FailureK
 NOT_SERVING = (FailureKind.ENGINE_DEAD, FailureKind.ENGINE_INIT_FAILED, FailureKind.EXITED)
 
 
-class Lifecycle(TrialHost, DrainHost):
+class Lifecycle:
     def __init__(
         self,
         config: Config,
@@ -66,6 +76,8 @@ class Lifecycle(TrialHost, DrainHost):
         metrics: Metrics,
         on_status_change: Callable[[], None],
         background: Callable[[Callable[[], Any]], None],
+        post: Callable[[object], None],
+        door: DoorDrain | None = None,
         submit: Submit = run_here,
         monotonic: Callable[[], float],
         wallclock: Callable[[], datetime],
@@ -101,6 +113,19 @@ class Lifecycle(TrialHost, DrainHost):
         self.guards = RunGuards(recorder)
         self.facts = EngineFacts(recorder, dstate, self.save_state, self.notes)
         self.shutting_down = False
+        self.stop_drain = Drain(
+            door,
+            self.engine,
+            stop_grace=self._stop_grace,
+            timeout_s=lambda: self.config.door.drain_timeout_s,
+        )
+        self.slot = ChangeSlot(
+            post=post,
+            restart=self._planned_restart,
+            revert_now=self._revert_now,
+            promote=self.promote,
+            monotonic=monotonic,
+        )
         self.starter = Starter(
             config,
             oscalls=oscalls,
@@ -171,6 +196,7 @@ class Lifecycle(TrialHost, DrainHost):
             self._decide_after_failure(step.failure, ran_for_s=None, now=now)
             return
         self.open_intent = pending.intent
+        self.slot.launched(pending.params, pending.preflight.plan if pending.preflight else None)
         self.guards.new_run()
 
     # -- the loop's step -----------------------------------------------------------------------
@@ -195,7 +221,7 @@ class Lifecycle(TrialHost, DrainHost):
             )
         if engine.state is EngineState.RUNNING and run is not None:
             self._maybe_mark_known_good(run, now)
-        self._step_drain(now)
+        self.stop_drain.step(now)
         pending = self.pending
         if (
             pending is not None
@@ -248,7 +274,7 @@ class Lifecycle(TrialHost, DrainHost):
             self._close_intent("ok", seconds=seconds, kv_cache_tokens=kv)
             self.background(lambda: identity_job(run))
             self._learn_from(run)
-            self._trial_run_ready(run, now)
+            self.slot.ready(run, now)
         elif self.engine.state is EngineState.RUNNING:
             run.health_failures = 0 if result.ok else run.health_failures + 1
             if run.health_failures >= self.config.timeouts.health_failures:
@@ -373,7 +399,7 @@ class Lifecycle(TrialHost, DrainHost):
     def _decide_after_failure(
         self, failure: EngineFailure, ran_for_s: float | None, now: float, run: EngineRun | None = None
     ) -> None:
-        if self._trial_failed(failure):
+        if self.slot.failed(failure):
             return
         report = run.report.report() if run is not None else None
         backend = run.machine.backend if run is not None and run.machine is not None else "cuda"
@@ -427,12 +453,8 @@ class Lifecycle(TrialHost, DrainHost):
 
     def _maybe_mark_known_good(self, run: EngineRun, now: float) -> None:
         """Parameters that have served for `known_good_after_s` become last-known-good — never while a
-        trial runs: only the trial's decision promotes its parameters (`end_trial`)."""
-        if (
-            self.trial is not None
-            or self.hold_promotion
-            or run.uptime(now) < self.config.backoff.known_good_after_s
-        ):
+        change is in flight or its owner holds the slot: only the owner's decision promotes (`end`)."""
+        if self.slot.in_flight or run.uptime(now) < self.config.backoff.known_good_after_s:
             return
         if self.known_good == run.params and self.failures == 0:
             return
@@ -450,12 +472,28 @@ class Lifecycle(TrialHost, DrainHost):
         self.save_state()
         self.rec.record("known_good.updated", params=params, why=why)
 
+    # -- changes (supervise/change.py) -------------------------------------------------------------
+
+    def request(self, params: EngineParams, reason: str, owner: Owner, ref: int) -> int | None:
+        """Restart a serving engine with `params` as a change of `owner` (journaled as trial `ref`),
+        through the normal start path. Its id, whose outcome comes back as `ChangeEvent`s on the loop's
+        queue; None (nothing done) unless the engine serves and no change is in flight, or when the
+        intent could not be made durable."""
+        if self.engine.state is not EngineState.RUNNING or self.shutting_down:
+            return None
+        return self.slot.open(params, self.params, reason, owner, ref)
+
+    def _revert_now(self, params: EngineParams, reason: str, **fields: Any) -> bool:
+        """A change's start or run failed: back to `params` at once, no retries, no backoff."""
+        self.failures = 0
+        return self.schedule_start(params, "revert", reason, 0.0, **fields)
+
     # -- operator actions --------------------------------------------------------------------------
 
     def restart(self, params: EngineParams, reason: str, action: str = "restart") -> bool:
         """A planned restart (operator, reload): intent first, then stop, then start with `params`.
-        A trial in progress is superseded: it ends, journaled as aborted with the reason."""
-        self._abort_trial(f"superseded by {action}: {reason}")
+        A change in flight is superseded: it ends (event `aborted`, with the reason)."""
+        self.slot.abort(f"superseded by {action}: {reason}")
         return self._planned_restart(params, action, reason)
 
     def _planned_restart(self, params: EngineParams, action: str, reason: str, **fields: Any) -> bool:
@@ -463,7 +501,7 @@ class Lifecycle(TrialHost, DrainHost):
         if not self.schedule_start(params, action, reason, delay=0.0, **fields):
             return False
         if self.engine.run is not None:
-            self._planned_stop(action, reason)
+            self.stop_drain.planned_stop(self.monotonic(), action, reason)
         elif self.engine.state in (EngineState.BACKOFF, EngineState.FATAL):
             self.fatal_reason = None
             self.engine.enter(EngineState.STOPPED)
@@ -473,7 +511,7 @@ class Lifecycle(TrialHost, DrainHost):
         """Leave FATAL (operator action): forget the failure count and the memory baseline."""
         if self.engine.state is not EngineState.FATAL:
             return False
-        self._abort_trial(f"superseded: {reason}")
+        self.slot.abort(f"superseded: {reason}")
         self.fatal_reason = None
         self.failures = 0
         self.dstate.baseline = None  # the operator acted: measure free memory afresh
@@ -486,7 +524,8 @@ class Lifecycle(TrialHost, DrainHost):
             self.rec.outcome(self.pending.intent, "aborted", reason="daemon shutdown")
             self.pending = None
         if self.engine.run is not None and self.engine.state is not EngineState.STOPPING:
-            self._planned_stop("daemon shutdown", "daemon shutdown")  # drained first, with the door
+            # drained first, with the door
+            self.stop_drain.planned_stop(self.monotonic(), "daemon shutdown", "daemon shutdown")
 
     def stop_now(self, monotonic: Callable[[], float], sleep: Callable[[float], None]) -> None:
         """Stop the engine outside the loop (the loop failed): SIGTERM, the grace, SIGKILL, reap.

@@ -41,6 +41,7 @@ from tunerd.policy.objective import EXPLORE, Objective, Source
 from tunerd.policy.tunables import REGISTRY, Value
 from tunerd.records.recorder import Recorder
 from tunerd.supervise.capacity import PlanOutcome
+from tunerd.supervise.change import ChangeEvent, Outcome, Owner
 from tunerd.supervise.lifecycle import Lifecycle
 from tunerd.supervise.preflight import run_here
 from tunerd.tune.memory import TuningMemory
@@ -78,10 +79,17 @@ class Exploration:
     live: WindowStats | None = None  # live traffic's window before the search: the load a live score is of
     pending: tuple[ProbeResult | None, str | None] | None = None  # a probe done, the live window not yet
     defaults: dict[str, Value] = field(default_factory=dict)  # vLLM's values of the params not set at start
+    change_id: int | None = (
+        None  # the lifecycle's change in flight for this exploration (supervise/change.py)
+    )
+
+    @property
+    def owner(self) -> Owner:
+        return "recall" if self.recall is not None else "explore"
 
 
 class Explorer:
-    """One exploration at a time; the tuner forwards the lifecycle's trial events while it runs."""
+    """One exploration at a time; the tuner forwards the outcomes of its changes (`on_change`)."""
 
     def __init__(
         self,
@@ -120,7 +128,7 @@ class Explorer:
         else why not."""
         if self.current is not None:
             return "an exploration is running"
-        if self.life.trial is not None:
+        if self.life.slot.current is not None:
             return "a trial is running"
         if self.life.engine.run is None or self.life.engine.run.ready_mono is None:
             return "vLLM is not serving"
@@ -128,7 +136,7 @@ class Explorer:
         self.current = Exploration(
             explore_id, tuple(params), reason, Step.BASELINE, self.monotonic(), recall=recall
         )
-        self.life.hold_promotion = True
+        self.life.slot.hold(self.current.owner)
         self.prober.request(f"exploration {explore_id}: the configuration in force", self._baseline)
         return None
 
@@ -240,10 +248,28 @@ class Explorer:
             self._next(now)
             return
         params = self.life.params.replace(**{**ex.search.best, name: value})
-        if not self.life.start_trial(ex.explore_id, params, f"exploration {ex.explore_id}: {name} = {value}"):
+        if not self._request(ex, params, f"exploration {ex.explore_id}: {name} = {value}"):
             self._finish("the restart could not be announced")
             return
         self._restarted(ex, Step.RESTARTING, now)
+
+    def _request(self, ex: Exploration, params: EngineParams, reason: str) -> bool:
+        """Ask the lifecycle for the change; False when it could not be announced."""
+        ex.change_id = self.life.request(params, reason, ex.owner, ex.explore_id)
+        return ex.change_id is not None
+
+    def _end_change(self, ex: Exploration, *, keep: bool, reason: str, promote: bool = True) -> bool:
+        ended = ex.change_id is not None and self.life.slot.end(
+            ex.change_id, keep=keep, reason=reason, promote=promote
+        )
+        if ended and keep:
+            ex.change_id = None  # kept: nothing of it is in flight any more
+        return ended
+
+    def _outcome_pending(self, ex: Exploration) -> bool:
+        """Its change ended in the lifecycle (aborted, reverted) and the outcome is on the loop's queue:
+        nothing is decided about it until then."""
+        return ex.change_id is not None and not self.life.slot.holds(ex.change_id)
 
     def _restarted(self, ex: Exploration, step: Step, now: float) -> None:
         ex.restarts += 1
@@ -252,7 +278,7 @@ class Explorer:
 
     def step(self, now: float) -> None:
         ex = self.current
-        if ex is None:
+        if ex is None or self._outcome_pending(ex):
             return
         if ex.step is Step.PLANNING and ex.plan is not None and ex.plan.done():
             self._planned(ex, now)
@@ -267,7 +293,7 @@ class Explorer:
     def _measured(self, result: ProbeResult | None, why: str | None) -> None:
         """The point's probe is done; scored now, or (live objective) once its live window is whole."""
         ex, now = self.current, self.monotonic()
-        if ex is None or ex.step is not Step.MEASURING:
+        if ex is None or ex.step is not Step.MEASURING or self._outcome_pending(ex):
             return
         if self._window_full(ex, now):
             self._scored(ex, result, why, now)
@@ -290,7 +316,7 @@ class Explorer:
         if ex.point is None or ex.search is None:
             return
         self._record_point(ex, objective, figures, excess=excess, source=source, **extra)
-        self.life.end_trial(keep=True, reason="exploration point measured", promote=False)
+        self._end_change(ex, keep=True, reason="exploration point measured", promote=False)
         self._next(now)
 
     def _record_point(
@@ -362,7 +388,7 @@ class Explorer:
         if self.memory.budget().left <= 0:
             self._finish("the restart budget is spent")
             return
-        if not self.life.start_trial(ex.explore_id, ex.recall, f"exploration {ex.explore_id}: {ex.reason}"):
+        if not self._request(ex, ex.recall, f"exploration {ex.explore_id}: {ex.reason}"):
             self._finish("the restart could not be announced")
             return
         self._restarted(ex, Step.RESTARTING, self.monotonic())
@@ -395,14 +421,14 @@ class Explorer:
             for name in ex.params:
                 self.recall.point(ex.recall, name, objective, figures, goal=goal, source=source, live=ex.live)
         if won:
-            self.life.end_trial(
-                keep=True, reason="exploration: the recalled configuration won", promote=False
+            self._end_change(
+                ex, keep=True, reason="exploration: the recalled configuration won", promote=False
             )
             self._finish("the recalled configuration won", promote=True)
             return
         self._recall_lost(ex, f"it did not beat the configuration in force by {tolerance:.0%}")
-        if self.life.end_trial(
-            keep=False, reason=f"exploration {ex.explore_id}: the recalled configuration lost"
+        if self._end_change(
+            ex, keep=False, reason=f"exploration {ex.explore_id}: the recalled configuration lost"
         ):
             self._restarted(ex, Step.REVERTING, self.monotonic())
         else:
@@ -428,7 +454,7 @@ class Explorer:
             self._finish("done", promote=True)
             return
         reason = f"exploration {ex.explore_id}: the best point"
-        if not self.life.start_trial(ex.explore_id, best, reason):
+        if not self._request(ex, best, reason):
             self._finish("the restart to the best point could not be announced")
             return
         self._restarted(ex, Step.FINISHING, now)
@@ -440,7 +466,7 @@ class Explorer:
         if ex is None:
             return
         self.current = None
-        self.life.hold_promotion = False
+        self.life.slot.release()
         best = dict(ex.search.best) if ex.search is not None else {}
         if ex.recall is not None:
             best = ex.recall.as_dict() if promote else {}
@@ -463,22 +489,33 @@ class Explorer:
         if promote or kept:
             self.on_kept(f"exploration {ex.explore_id} finished")
 
-    # -- what the lifecycle says (forwarded by the tuner) --------------------------------------------
+    # -- what became of its changes (ChangeEvent, forwarded by the tuner) ------------------------------
 
-    def trial_serving(self, run: EngineRun, now: float) -> None:
+    def on_change(self, event: ChangeEvent) -> None:
+        """The outcome of this exploration's change; one about an earlier change is ignored."""
         ex = self.current
-        if ex is None:
+        if ex is None or ex.change_id != event.change_id:
             return
+        if event.outcome in (Outcome.REVERTED, Outcome.ABORTED):
+            ex.change_id = None  # the change is over
+        if event.outcome is Outcome.SERVING:
+            self._serving(ex, event.at)
+        elif event.outcome is Outcome.FAILED:
+            assert event.failure is not None
+            self._failed(ex, event.failure)
+        elif event.outcome is Outcome.REVERTED:
+            self._reverted(ex, event.run, event.failure)
+        else:
+            self._finish(f"aborted: {event.reason}")
+
+    def _serving(self, ex: Exploration, now: float) -> None:
         if ex.step is Step.FINISHING:
-            self.life.end_trial(keep=True, reason="exploration: the best point serves")
+            self._end_change(ex, keep=True, reason="exploration: the best point serves")
             self._finish("done", kept=True)
         elif ex.step is Step.RESTARTING:
             ex.step, ex.since = Step.WARMUP, now
 
-    def trial_failed(self, failure: EngineFailure) -> None:
-        ex = self.current
-        if ex is None:
-            return
+    def _failed(self, ex: Exploration, failure: EngineFailure) -> None:
         if ex.step is Step.FINISHING:
             self._finish(f"the best point failed to start: {failure.kind}")
             return
@@ -492,10 +529,7 @@ class Explorer:
         if ex.point is not None:
             self.memory.add_tabu(ex.point[0], ex.point[1], f"its start failed in exploration: {failure.kind}")
 
-    def trial_reverted(self, run: EngineRun | None, failure: EngineFailure | None) -> None:
-        ex = self.current
-        if ex is None:
-            return
+    def _reverted(self, ex: Exploration, run: EngineRun | None, failure: EngineFailure | None) -> None:
         if run is None:
             self._finish(f"the revert after a failed point failed: {failure.kind if failure else '?'}")
             return
@@ -503,10 +537,6 @@ class Explorer:
             self._finish("the recalled configuration lost: the one before serves again")
             return
         self._next(self.monotonic())
-
-    def trial_aborted(self, reason: str) -> None:
-        if self.current is not None:
-            self._finish(f"aborted: {reason}")
 
     def status(self, now: float) -> dict[str, Any] | None:
         ex = self.current

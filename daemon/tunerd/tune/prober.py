@@ -73,7 +73,7 @@ class Prober:
         exploration (their evidence must be theirs alone), nor while live traffic is busier than the
         threshold. Skipped probes are journaled with why."""
         why = self._why_not()
-        if self.life.trial is not None or self.life.hold_promotion:
+        if self.life.slot.in_flight:
             why = "a trial or an exploration is running"
         threshold = self.config.probe.skip_when_running_above
         if why is None and busy is not None and busy > threshold:

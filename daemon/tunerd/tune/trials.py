@@ -45,6 +45,7 @@ class Trial:
     phase: Phase
     phase_since: float
     plan: Future[PlanOutcome] | None = None
+    change_id: int | None = None  # the lifecycle's change (supervise/change.py), once requested
     window_start: float | None = None
     extended: bool = False
     verdict: Verdict | None = None

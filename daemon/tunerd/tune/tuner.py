@@ -2,9 +2,10 @@
 normal start path, decides keep or revert from like-with-like evidence, and tells the story in the journal.
 
 A stateful peer of the lifecycle, driven by the main loop (`on_poll` every poll, `step` every tick); it
-talks to the lifecycle only through `start_trial` / `end_trial` and learns outcomes as its
-`TrialListener`. Every decision is pure and lives in `tunerd.policy`: rule evaluation (`rules`), the
-proposal (`tunables`), the gates (`gates`), the evidence (`evidence`) and the verdict (`verdict`).
+asks the lifecycle for a change (`Lifecycle.request`, decided with `ChangeSlot.end`) and learns its
+outcome as a `ChangeEvent` the loop delivers (`on_change`). Every decision is pure and lives in
+`tunerd.policy`: rule evaluation (`rules`), the proposal (`tunables`), the gates (`gates`), the evidence
+(`evidence`) and the verdict (`verdict`).
 
 A trial, in order: the rule fired on the *before* window of the serving run → the planner is asked
 (a refused change costs no restart) → the intent is journaled and vLLM restarted with the one change →
@@ -44,6 +45,7 @@ from tunerd.records.metrics import Metrics
 from tunerd.records.recorder import Recorder
 from tunerd.records.state import DaemonState
 from tunerd.supervise.capacity import PlanOutcome
+from tunerd.supervise.change import ChangeEvent, Outcome
 from tunerd.supervise.lifecycle import Lifecycle
 from tunerd.tune.explore_triggers import ExploreTriggers
 from tunerd.tune.explorer import Explorer
@@ -131,7 +133,6 @@ class Tuner:
         )
         self._baseline_probed = False  # the first probe baseline was asked for in this daemon run
         self._baseline_waits = False  # ... and journaled as waiting for live traffic to ease
-        lifecycle.trial_listener = self
         self._publish_mode()
 
     @property
@@ -369,6 +370,8 @@ class Tuner:
         trial = self.trial
         if trial is None:
             return
+        if trial.change_id is not None and not self.life.slot.holds(trial.change_id):
+            return  # its change ended (aborted, reverted): the outcome is on the loop's queue
         tuning = self.config.tuning
         if trial.phase is Phase.PLANNING and trial.plan is not None and trial.plan.done():
             self._planned(trial, now)
@@ -408,7 +411,8 @@ class Tuner:
                 if k in outcome.figures
             },
         )
-        if not self.life.start_trial(trial.trial_id, p.params, reason):
+        trial.change_id = self.life.request(p.params, reason, "trial", trial.trial_id)
+        if trial.change_id is None:
             self.rec.record("trial.aborted", **trial.describe(), reason="the restart could not be announced")
             self._end()
             return
@@ -490,7 +494,9 @@ class Tuner:
             self.rec.record("trial.ended", **trial.describe(), outcome="reverted", restart=False)
             self._end()
             return
-        if self.life.end_trial(keep=False, reason=f"trial {trial.trial_id} reverted: {verdict.reason}"):
+        assert trial.change_id is not None
+        reason = f"trial {trial.trial_id} reverted: {verdict.reason}"
+        if self.life.slot.end(trial.change_id, keep=False, reason=reason):
             self.memory.count_restart()
         self._publish_phase()
         self._enter(trial, Phase.REVERTING, now)
@@ -498,7 +504,9 @@ class Tuner:
     def _kept(self, trial: Trial, after: WindowStats | None) -> None:
         p = trial.proposal
         if not p.live:
-            self.life.end_trial(keep=True, reason=trial.verdict.reason if trial.verdict else "kept")
+            assert trial.change_id is not None
+            reason = trial.verdict.reason if trial.verdict else "kept"
+            self.life.slot.end(trial.change_id, keep=True, reason=reason)
         self.memory.kept(trial.trial_id, trial.rule.name, p.param, p.old, p.new)
         if after is not None:
             # The rule's window at the end of the after window: what relative terms will compare with.
@@ -531,7 +539,7 @@ class Tuner:
         self.metrics.trial_phase.set(self.trial.phase if self.trial is not None else Phase.NONE)
         self.metrics.restart_budget.set(self.memory.budget().left)
 
-    # -- what the lifecycle says (TrialListener) ---------------------------------------------------
+    # -- what became of the change (ChangeEvent, from the loop's queue) -----------------------------
 
     def _probe_for_baseline(self, why: str) -> None:
         """The probe's figures join the baseline (the 30 % rule works from them where live load is not
@@ -545,23 +553,30 @@ class Tuner:
 
         self.prober.request(f"baseline: {why}", done)
 
-    def trial_serving(self, run: EngineRun, now: float) -> None:
-        if self.exploring:
-            assert self.explorer is not None
-            self.explorer.trial_serving(run, now)
+    def on_change(self, event: ChangeEvent) -> None:
+        """The outcome of a change this tuner requested: an exploration's goes to the explorer, a trial's
+        is handled here; one about an earlier change (superseded, ended) is ignored."""
+        if event.owner != "trial":
+            if self.explorer is not None:
+                self.explorer.on_change(event)
             return
         trial = self.trial
-        if trial is not None and trial.phase is Phase.RESTARTING:
-            self._enter(trial, Phase.WARMUP, now)
+        if trial is None or trial.change_id != event.change_id:
+            return
+        if event.outcome is Outcome.SERVING:
+            if trial.phase is Phase.RESTARTING:
+                self._enter(trial, Phase.WARMUP, event.at)
+        elif event.outcome is Outcome.FAILED:
+            assert event.failure is not None
+            self._trial_failed(trial, event.failure, event.at)
+        elif event.outcome is Outcome.REVERTED:
+            self._trial_reverted(trial, event.run, event.failure)
+        else:
+            self.rec.record("trial.aborted", **trial.describe(), reason=event.reason)
+            self.metrics.trials.labels(outcome="aborted").inc()
+            self._end()
 
-    def trial_failed(self, failure: EngineFailure) -> None:
-        if self.exploring:
-            assert self.explorer is not None
-            self.explorer.trial_failed(failure)
-            return
-        trial = self.trial
-        if trial is None:
-            return
+    def _trial_failed(self, trial: Trial, failure: EngineFailure, now: float) -> None:
         self.rec.record(
             "trial.decided",
             **trial.describe(),
@@ -576,34 +591,15 @@ class Tuner:
             self.recall.trial(p.params, p.param, "failed", trial.before, f"its start failed: {failure.kind}")
         self.metrics.trials.labels(outcome="failed").inc()
         self.memory.count_restart()
-        self._publish_phase()  # the revert the lifecycle starts at once
-        self._enter(trial, Phase.REVERTING, self.life.monotonic())
+        self._publish_phase()  # the revert the lifecycle started at once
+        self._enter(trial, Phase.REVERTING, now)
 
-    def trial_reverted(self, run: EngineRun | None, failure: EngineFailure | None) -> None:
-        if self.exploring:
-            assert self.explorer is not None
-            self.explorer.trial_reverted(run, failure)
-            return
-        trial = self.trial
-        if trial is None:
-            return
+    def _trial_reverted(self, trial: Trial, run: EngineRun | None, failure: EngineFailure | None) -> None:
         if run is not None:
             self.rec.record("trial.ended", **trial.describe(), outcome="reverted", params=run.params)
         else:
             detail = failure.as_dict() if failure is not None else None
             self.rec.record("trial.ended", **trial.describe(), outcome="revert failed", failure=detail)
-        self._end()
-
-    def trial_aborted(self, reason: str) -> None:
-        if self.exploring:
-            assert self.explorer is not None
-            self.explorer.trial_aborted(reason)
-            return
-        trial = self.trial
-        if trial is None:
-            return
-        self.rec.record("trial.aborted", **trial.describe(), reason=reason)
-        self.metrics.trials.labels(outcome="aborted").inc()
         self._end()
 
     def _first_probe_baseline(self) -> None:
