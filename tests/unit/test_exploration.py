@@ -20,7 +20,7 @@ from tunerd.core.states import EngineState
 from tunerd.engine.admin import CacheResetResult
 from tunerd.observe.probe import ProbeResult
 from tunerd.observe.signals import SignalWindow
-from tunerd.records.experience import Experience, ExperienceKey, experience_path
+from tunerd.records.experience import Experience, ExperienceKey, experience_path, workload_key
 from tunerd.records.state import DaemonState
 from tunerd.supervise.cache_reset import CacheReset
 from tunerd.supervise.capacity import PlanOutcome
@@ -459,3 +459,31 @@ def test_a_point_the_planner_refuses_costs_no_restart(tmp_path: Path) -> None:
     trial_intents = [i["params"]["max_num_seqs"] for i in sim.rig.intents("trial")]
     assert 64 not in trial_intents and finished["restarts"] == len(trial_intents) == 6
     assert ("max_num_seqs", 64) in {(e.param, e.value) for e in sim.rig.dstate.tuning.tabu}
+
+
+def test_points_scored_on_live_traffic_are_filed_under_the_live_load_not_the_probes(tmp_path: Path) -> None:
+    # Issue 20: a point scored on the live window (live traffic's tok/s) was filed under the probe's
+    # workload key, beside the probe's own tok/s of another load: a later search, or a recall, compared
+    # the two as one figure.
+    sim = make_explorer(tmp_path, seqs=16, live=PeakAt4())
+    sim.explore("max_num_seqs")
+    live = sim.rig.last("explore.started")["live"]
+    live_load = workload_key(
+        live["prompt_tokens_per_request"],
+        live["generation_tokens_per_request"],
+        live["running_avg"] + live["waiting_avg"],
+    )
+    assert live_load != PROBE_KEY.workload
+    memory = sim.tuner.recall.experience  # type: ignore[union-attr]
+    points = [e for e in memory.entries() if e.kind == "explore"]
+    assert points and {e.objective_source for e in points} == {"live"}
+    assert {e.key.workload for e in points} == {live_load}
+    assert {(e.objective_name, e.objective_unit) for e in points} == {("throughput.generation", "tok/s")}
+    probes = [e for e in memory.entries() if e.kind == "probe"]
+    assert probes and {(e.key, e.objective_source) for e in probes} == {(PROBE_KEY, "probe")}
+    # The next live search under the same load knows them: no point is measured again.
+    sim.run_for(sim.rig.config.tuning.window_s + 10)  # a live window before it, as before the first
+    second = sim.explore("max_num_seqs")
+    started = sim.rig.last("explore.started")
+    assert started["objective_source"] == "live" and started["known_points"] >= len(points)
+    assert second["best"] == {"max_num_seqs": 4} and second["restarts"] == 0

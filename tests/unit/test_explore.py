@@ -7,6 +7,7 @@ import math
 from collections.abc import Callable
 
 from tunerd.policy.explore import Search, ladder, limit_excess, midpoint, start
+from tunerd.policy.objective import Throughput
 
 Scored = tuple[float | None, float | None]  # (objective, limit excess)
 Surface = Callable[[dict[str, object]], float | Scored | None]
@@ -35,7 +36,7 @@ def seqs_search(current: int, objective: float | None, tolerance: float = 0.03) 
         ["max_num_seqs"],
         {"max_num_seqs": current},
         {"max_num_seqs": values},
-        tolerance=tolerance,
+        goal=Throughput(tolerance=tolerance),
         objective=objective,
     )
 
@@ -114,7 +115,7 @@ def test_known_points_are_not_measured_again() -> None:
     values = ladder("max_num_seqs", 64, backend="cpu", bounds={"max_num_seqs": (1, 256)})
     again = start(
         ["max_num_seqs"], {"max_num_seqs": 64}, {"max_num_seqs": values},
-        tolerance=0.03, objective=surface({"max_num_seqs": 64}), known=first.measured,
+        goal=Throughput(tolerance=0.03), objective=surface({"max_num_seqs": 64}), known=first.measured,
     )  # fmt: skip
     second, visited_second = explore(again, surface)
     assert second.best == first.best
@@ -135,7 +136,9 @@ def test_two_parameters_cost_the_sum_of_their_steps_not_the_product() -> None:
             "max_num_batched_tokens", 8192, backend="cpu", bounds={"max_num_batched_tokens": (256, 16384)}
         ),
     }
-    search = start(list(current), current, ladders, tolerance=0.01, objective=surface(current))
+    search = start(
+        list(current), current, ladders, goal=Throughput(tolerance=0.01), objective=surface(current)
+    )
     search, visited = explore(search, surface)
     assert search.best == {"max_num_seqs": 16, "max_num_batched_tokens": 2048}
     grid = len(ladders["max_num_seqs"]) * len(ladders["max_num_batched_tokens"])
@@ -147,7 +150,11 @@ def test_block_size_visits_only_the_backends_allowed_values() -> None:
     # refuses (a multiple of 32 on CPU): a parameter with choices has no midpoints.
     values = ladder("block_size", 128, backend="cpu")
     search = start(
-        ["block_size"], {"block_size": 128}, {"block_size": values}, tolerance=0.03, objective=100.0
+        ["block_size"],
+        {"block_size": 128},
+        {"block_size": values},
+        goal=Throughput(tolerance=0.03),
+        objective=100.0,
     )
     _, visited = explore(search, lambda _c: 100.0)
     assert visited == [("block_size", 64)]
@@ -181,7 +188,7 @@ def test_a_start_over_the_latency_limit_moves_towards_the_limit_until_a_point_me
     values = ladder("max_num_seqs", 32, backend="cpu", bounds={"max_num_seqs": (1, 256)})
     search = start(
         ["max_num_seqs"], {"max_num_seqs": 32}, {"max_num_seqs": values},
-        tolerance=0.05, objective=objective, excess=excess,
+        goal=Throughput(tolerance=0.05), objective=objective, excess=excess,
     )  # fmt: skip
     search, visited = explore(search, surface)
     assert ("max_num_seqs", 16) in visited and ("max_num_seqs", 64) in visited
@@ -199,7 +206,7 @@ def test_when_nothing_meets_the_limit_the_least_excess_wins_and_a_failure_never_
     values = ladder("max_num_seqs", 32, backend="cpu", bounds={"max_num_seqs": (1, 64)})
     search = start(
         ["max_num_seqs"], {"max_num_seqs": 32}, {"max_num_seqs": values},
-        tolerance=0.05, objective=None, excess=surface({"max_num_seqs": 32})[1],
+        goal=Throughput(tolerance=0.05), objective=None, excess=surface({"max_num_seqs": 32})[1],
     )  # fmt: skip
     search, visited = explore(search, surface)
     assert visited[0] == ("max_num_seqs", 64) and search.measured[("max_num_seqs", 64)] is None

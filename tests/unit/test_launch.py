@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
-from tunerd.config import EngineConfig, NumactlConfig
+from tunerd.config import Config, EngineConfig, NumactlConfig
 from tunerd.core.params import EngineParams
-from tunerd.engine.launch import build_argv, build_env
+from tunerd.engine.launch import ACCESS_LOG_FLAG, access_log_args, build_argv, build_env
+from tunerd.policy.corrections import without_flags
 
 PARAMS = EngineParams(max_model_len=512, block_size=32, enable_prefix_caching=False)
 
@@ -104,3 +106,43 @@ def test_env_defaults_to_the_daemons_environment(monkeypatch: pytest.MonkeyPatch
     env = build_env(engine())
     assert env["TUNERD_TEST_MARK"] == "present"
     assert "NOTIFY_SOCKET" not in env
+
+
+# -- vLLM's access log (issue 20) -----------------------------------------------------------------------
+
+
+def full_config(door: bool, **engine_keys: object) -> Config:
+    return Config.model_validate(
+        {"engine": {"model": "/m", "port": 18000, **engine_keys}, "door": {"enabled": door, "port": 8000}}
+    )
+
+
+@pytest.mark.parametrize(
+    ("door", "access_log", "expected"),
+    [
+        (True, "auto", [ACCESS_LOG_FLAG]),  # behind the door: every line names the door, most are polls
+        (False, "auto", []),  # without it vLLM's access log is the only record of requests
+        (True, "on", []),
+        (False, "off", [ACCESS_LOG_FLAG]),
+    ],
+)
+def test_the_access_log_is_off_behind_the_door_unless_said_otherwise(
+    door: bool, access_log: str, expected: list[str]
+) -> None:
+    assert access_log_args(full_config(door, access_log=access_log)) == expected
+
+
+@pytest.mark.parametrize("given", ["--disable-uvicorn-access-log", "--no-disable-uvicorn-access-log"])
+def test_extra_args_that_say_it_win(given: str) -> None:
+    assert access_log_args(full_config(True, extra_args=[given])) == []
+
+
+def test_a_vllm_without_the_flag_has_it_dropped_with_the_flags_after_it_kept() -> None:
+    """The correction for "unrecognized arguments" leaves the flag out; it takes no value."""
+    argv = ["vllm", "serve", ACCESS_LOG_FLAG, "--shutdown-timeout", "20"]
+    assert without_flags(argv, [ACCESS_LOG_FLAG]) == ["vllm", "serve", "--shutdown-timeout", "20"]
+
+
+def test_an_unknown_access_log_setting_is_refused() -> None:
+    with pytest.raises(ValidationError, match="access_log"):
+        full_config(True, access_log="quiet")

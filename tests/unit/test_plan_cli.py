@@ -18,6 +18,7 @@ from tunerd.cli.main import main
 from tunerd.config import parse_config
 from tunerd.core.machine import MachineFacts, MemoryFacts, PreflightFacts
 from tunerd.core.params import EngineParams
+from tunerd.core.report import StartReport
 from tunerd.core.units import GiB
 from tunerd.observe.gpu import GpuCollector
 from tunerd.observe.machine_facts import build_memory_facts, probe_machine
@@ -270,6 +271,26 @@ def test_the_daemons_preflight_refuses_a_block_size_the_backend_rejects(
         .refusal
         is None
     )
+
+
+def test_the_planner_is_asked_one_caller_at_a_time(
+    monkeypatch: pytest.MonkeyPatch, tiny_model: Path, tmp_path: Path
+) -> None:
+    """Worker jobs ask the planner at once (a start's preflight, an operator's restart --set, a calibration):
+    its model cache and calibration file are touched only under its lock (issue: the handler thread
+    mutated the planner's cache while worker jobs used it)."""
+    config = parse_config({"engine": {"model": str(tiny_model)}, "paths": {"state_dir": str(tmp_path)}})
+    planner = capacity.Capacity(config)
+    held: list[bool] = []
+
+    def machine(*_a: object, **_k: object) -> MachineFacts:
+        held.append(planner._lock.locked())
+        return cpu_box()
+
+    monkeypatch.setattr(capacity, "probe_machine", machine)
+    planner.check(EngineParams(max_model_len=512, kv_cache_memory_bytes=1_000_000, block_size=32))
+    planner.calibrate(1, StartReport(kv_cache_tokens=1952), EngineParams(max_model_len=512), None)
+    assert held == [True, True]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -237,7 +237,7 @@ def test_firing_restarts_the_for_clock() -> None:
 
 
 def test_a_muted_rule_does_not_fire() -> None:
-    state = RuleState(muted_until=500.0, mute_reason="lost twice")
+    state = RuleState(muted_until=500.0)
     assert fired_at(make_rule(for_s=0), every(10, 490, {KV: 0.95}), state=state) == []
 
 
@@ -253,26 +253,18 @@ def test_a_rule_in_cooldown_keeps_its_clock_running() -> None:
     assert results[-1].state.holding_since == 0.0
 
 
-def test_fresh_state_keeps_cooldown_mute_and_losses_and_forgets_the_condition() -> None:
+def test_fresh_state_keeps_cooldown_and_mute_and_forgets_the_condition() -> None:
     state = RuleState(
         holding_since=5.0,
         holding=(True,),
         last_fired=3.0,
         cooldown_until=900.0,
         muted_until=4000.0,
-        mute_reason="lost twice",
-        losses=2,
         last=(TermValue(f"{KV} > 0.9", 0.95, 0.9, True),),
     )
     fresh = state.fresh()
     assert (fresh.holding_since, fresh.holding, fresh.last) == (None, (), ())
-    assert (fresh.cooldown_until, fresh.muted_until, fresh.mute_reason, fresh.losses, fresh.last_fired) == (
-        900.0,
-        4000.0,
-        "lost twice",
-        2,
-        3.0,
-    )
+    assert (fresh.cooldown_until, fresh.muted_until, fresh.last_fired) == (900.0, 4000.0, 3.0)
 
 
 def test_a_fresh_state_does_not_fire_inside_the_old_cooldown() -> None:

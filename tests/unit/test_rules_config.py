@@ -362,3 +362,26 @@ def test_the_shipped_playbook_loads() -> None:
     for parsed in loaded.rules:
         assert isinstance(parsed, Rule)
         assert parsed.terms, parsed.name
+
+
+@pytest.mark.parametrize(
+    ("changes", "key", "got"),
+    [
+        ({"for_s": True}, "for_s", "(got True)"),  # a boolean is no duration
+        ({"for_s": "60"}, "for_s", "(got '60')"),  # a string is no number
+        ({"why": 3}, "why", "(got 3)"),  # a number is no string
+        ({"action": step(next="true")}, "action.next", "(got 'true')"),  # a string is no boolean
+        ({"action": step(by=True)}, "action.by", "(got True)"),
+    ],
+)
+def test_a_value_of_the_wrong_toml_type_is_refused_with_its_key(
+    changes: dict[str, Any], key: str, got: str
+) -> None:
+    problem = only_problem(rule("typed", **changes))
+    assert problem.startswith(f"{FILE}: rule typed: {key}: "), problem
+    assert got in problem
+
+
+def test_an_integer_stands_for_a_float_in_a_rule() -> None:
+    (parsed,) = parse_rules({"rule": [rule("r", for_s=60, action=step(factor=None, by=4))]}, FILE).rules
+    assert parsed.for_s == 60.0 and isinstance(parsed.action, StepAction) and parsed.action.by == 4.0

@@ -237,7 +237,7 @@ def test_saturated_clearly_worse_throughput_is_reverted() -> None:
 def test_saturated_better_throughput_with_the_condition_eased_is_kept() -> None:
     result = verdict(saturated(), saturated(gen_per_s=120.0, req_per_s=2.4))
     assert result.decision == "keep"
-    assert result.objective == "throughput.generation"
+    assert (result.objective, result.unit) == ("throughput.generation", "tok/s")
     assert (result.before, result.after) == (pytest.approx(100.0), pytest.approx(120.0))
 
 
@@ -263,7 +263,7 @@ def test_saturated_the_verdict_carries_the_bootstrap_interval() -> None:
 def test_unsaturated_a_worse_itl_is_reverted() -> None:
     result = verdict(unsaturated(), unsaturated(itl_le=ITL_SLOWER))
     assert result.decision == "revert"
-    assert result.objective == "itl.p95"
+    assert (result.objective, result.unit) == ("itl.p95", "s")  # seconds: the verdict says so
     assert (result.before, result.after) == (pytest.approx(0.0295), pytest.approx(0.0395))
 
 

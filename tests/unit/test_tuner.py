@@ -21,7 +21,9 @@ from tunerd.observe.gpu import GpuSample
 from tunerd.observe.poller import PollSample
 from tunerd.observe.signals import SignalWindow
 from tunerd.observe.vllm_metrics import ScrapeResult
+from tunerd.records.experience import Experience
 from tunerd.supervise.capacity import PlanOutcome
+from tunerd.tune.recall import Recall
 from tunerd.tune.tuner import Phase, Tuner
 
 CLIENTS = 24
@@ -176,6 +178,7 @@ def make_tuner(
     tuning: dict[str, Any] | None = None,
     landscape: dict[int, Perf] | None = None,
     refuse: set[int] | None = None,
+    memory: Experience | None = None,
 ) -> TunerRig:
     overrides: dict[str, Any] = {
         "engine": {"params": params or {"max_num_seqs": 32}},
@@ -195,6 +198,10 @@ def make_tuner(
     rig.lifecycle.capacity.check = check  # type: ignore[method-assign]
     from tunerd.supervise.preflight import run_here
 
+    recall = None
+    if memory is not None:
+        recall = Recall(memory, rig.lifecycle, lambda: rig.config, recorder=rig.recorder,
+                        wallclock=lambda: _wall(rig))  # fmt: skip
     tuner = Tuner(
         rig.config,
         ruleset,
@@ -205,9 +212,12 @@ def make_tuner(
         metrics=rig.metrics,
         submit=run_here,
         wallclock=lambda: _wall(rig),
+        recall=recall,
     )
     sim = TunerRig(rig, tuner, SimEngine(landscape or LANDSCAPE), SignalWindow(rig.config.observe.window_s))
     rig.serve()
+    if memory is not None:  # what the identity job finds once vLLM serves: the memory's key needs it
+        rig.dstate.identity = {"vllm_version": "0.32.0", "model": {"fingerprint": "2bf7"}, "gpu_name": None}
     return sim
 
 
@@ -225,7 +235,7 @@ def test_kv_pressure_steps_down_keeps_what_helped_reverts_the_overshoot_and_stop
     sim.run_until(lambda: len(sim.decided()) >= 2 and sim.tuner.trial is None)
     first, second = sim.decided()[:2]
     assert (first["old"], first["new"], first["decision"]) == (32, 16, "kept")
-    assert first["objective"] == "throughput.generation"
+    assert first["objective"] == "throughput.generation" and first["objective_unit"] == "tok/s"
     assert first["objective_after"] > first["objective_before"] * 1.2
     assert (second["old"], second["new"], second["decision"]) == (16, 8, "reverted")
     assert "worse" in second["reason"]
@@ -383,3 +393,18 @@ def test_the_restart_budget_defers_a_rule_when_spent(tmp_path: Path) -> None:
     sim.run_until(lambda: bool(sim.rig.records("rule.deferred")))
     assert "budget" in sim.rig.last("rule.deferred")["reason"]
     assert not sim.rig.intents("trial")
+
+
+def test_a_trial_decided_on_latency_names_its_objective_in_the_journal_and_the_memory(tmp_path: Path) -> None:
+    # Issue 20: unsaturated, a trial compares ITL p95 in seconds, and the tuning memory filed that value
+    # in the field where saturated trials and probes put tokens per second, with nothing to tell which.
+    memory = Experience(tmp_path / "memory.json")
+    unsaturated = {"saturated_waiting": 1000.0, "saturated_kv_usage": 1.0, "load_tolerance": 0.6}
+    sim = make_tuner(tmp_path, tuning=unsaturated, memory=memory)
+    sim.run_until(lambda: len(sim.decided()) >= 1 and sim.tuner.trial is None)
+    first = sim.decided()[0]
+    assert (first["decision"], first["objective"], first["objective_unit"]) == ("kept", "itl.p95", "s")
+    (entry,) = [e for e in Experience(memory.path).entries() if e.kind == "trial"][:1]
+    assert (entry.objective_name, entry.objective_unit, entry.objective_source) == ("itl.p95", "s", "live")
+    assert entry.objective == first["objective_after"] and entry.decision == "keep"
+    assert entry.figures["objective_before"] == first["objective_before"]  # seconds too, not tok/s

@@ -2,7 +2,9 @@
 
 The memory is the file `paths.state_dir/experience.json` of the config (`-c`, `$TUNERD_CONFIG`,
 /etc/tunerd/tunerd.toml). `show` prints what it knows per model, hardware, vLLM version and workload:
-entries, the best configuration, the values known to be bad; `export FILE` writes it to FILE (`-`:
+entries, the best configuration by each objective the entries measured (ranked in that objective's
+direction: the highest throughput, the lowest latency; values of different objectives never compare),
+the values known to be bad; `export FILE` writes it to FILE (`-`:
 stdout) to carry to another box; `import FILE` merges such a file in (no duplicates), beside a running
 daemon too (the file is locked while it changes). Exit status: 0 done; 1 a file could not be read or
 written, or is not a memory of this format version; 78 the config does not load.
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tunerd.config import Config, ConfigError, default_config_path, load_config
+from tunerd.policy.objective import direction_of
 from tunerd.records.experience import (
     MAX_ENTRIES,
     Entry,
@@ -73,12 +76,23 @@ def _open(args: argparse.Namespace, command: str) -> tuple[Experience, Config] |
     return memory, config
 
 
-def summary(memory: Experience, *, maximize: bool = True) -> list[dict[str, Any]]:
-    """One dict per key: entries (how many, unverified among them), the best entry, the bad values."""
+def summary(memory: Experience, objective: str | None = None) -> list[dict[str, Any]]:
+    """One dict per key: entries (how many, unverified among them), the best entry of each objective
+    its entries have values of — ranked in that objective's direction, the configured `objective`'s
+    first — and the bad values. Values of an objective this tunerd does not know, and of entries that
+    name none (trials written before entries named their objective), are not ranked."""
     rows = []
     for key in memory.known_keys():
         entries = memory.entries(key)
-        best = memory.best_entry(key, maximize=maximize)
+        names = sorted(memory.objectives(key), key=lambda name: name != objective)
+        bests = []
+        for name in names:
+            direction = direction_of(name)
+            if direction is None:
+                continue
+            best = memory.best_entry(key, objective=name, maximize=direction == "higher")
+            if best is not None:
+                bests.append(_entry_row(best))
         rows.append(
             {
                 "key": asdict(key),
@@ -86,14 +100,14 @@ def summary(memory: Experience, *, maximize: bool = True) -> list[dict[str, Any]
                 "entries": len(entries),
                 "unverified": sum(not e.verified for e in entries),
                 "last": _when(entries[-1].at),
-                "best": None if best is None else _entry_row(best),
+                "best": bests,
                 "bad_values": [{"param": p, "value": v, "why": why} for p, v, why in memory.bad_values(key)],
             }
         )
     return rows
 
 
-def render_summary(path: Path, rows: list[dict[str, Any]], objective: str) -> str:
+def render_summary(path: Path, rows: list[dict[str, Any]]) -> str:
     total = sum(row["entries"] for row in rows)
     lines = [f"{path}: {total} entries (the last {MAX_ENTRIES} are kept), {len(rows)} model/load keys"]
     if not rows:
@@ -101,12 +115,17 @@ def render_summary(path: Path, rows: list[dict[str, Any]], objective: str) -> st
     for row in rows:
         unverified = f", {row['unverified']} unverified (an upgrade since)" if row["unverified"] else ""
         lines += ["", row["text"], f"  entries: {row['entries']}{unverified}; last {row['last']}"]
-        best = row["best"]
-        if best is None:
+        if not row["best"]:
             lines.append("  best: none verified yet")
-        else:
+        for best in row["best"]:
+            value = " ".join(
+                part
+                for part in (best["objective_name"], f"{best['objective']:.4g}", best["objective_unit"])
+                if part
+            )
+            source = f", {best['objective_source']}" if best["objective_source"] else ""
             lines.append(
-                f"  best: {_params(best['params'])}  ({objective} {best['objective']:.4g}; "
+                f"  best: {_params(best['params'])}  ({value}{source}; "
                 f"{best['kind']} {best['decision']} {best['at']})"
             )
         for bad in row["bad_values"]:
@@ -120,12 +139,12 @@ def cmd_memory_show(args: argparse.Namespace) -> int:
         return opened
     memory, config = opened
     objective = config.tuning.objective
-    rows = summary(memory, maximize=objective.startswith("throughput"))
+    rows = summary(memory, objective)
     if args.json:
         document = {"path": str(memory.path), "objective": objective, "keys": rows}
         print(json.dumps(document, indent=2, ensure_ascii=False))
     else:
-        print(render_summary(memory.path, rows, objective))
+        print(render_summary(memory.path, rows))
     return EX_OK if memory.load_error is None else EX_FAILED
 
 
@@ -182,6 +201,9 @@ def _entry_row(entry: Entry) -> dict[str, Any]:
     return {
         "params": dict(entry.params),
         "objective": entry.objective,
+        "objective_name": entry.objective_name,
+        "objective_unit": entry.objective_unit,
+        "objective_source": entry.objective_source,
         "kind": entry.kind,
         "decision": entry.decision,
         "at": _when(entry.at),

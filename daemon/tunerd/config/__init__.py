@@ -2,6 +2,8 @@
 
 `load_config(path)` returns a `Config` or raises `ConfigError` whose `problems` are lines of the form
 `file: key: reason` — what `tunerd check-config` prints and what `tunerd run` prints before exiting 78.
+Types are strict where TOML writes them: a boolean is not a count, `"3"` is not a number, `3.5` is not
+a whole number (an integer stands for a float: `60` seconds). A path has no TOML literal: it is a string.
 Just over 400 lines: the sections of tunerd.toml are one schema, each with its defaults beside it (the
 door's and the rules' schemas have their own modules).
 """
@@ -13,7 +15,7 @@ import tomllib
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -34,6 +36,29 @@ MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _paths_from_strings(cls, data: Any) -> Any:
+        """TOML has no path literal: a path field is written as a string, which strict validation (see
+        `parse_config`) would refuse as "not an instance of Path"; make it one first."""
+        if not isinstance(data, dict):
+            return data
+        paths = _path_fields(cls)
+        return {
+            key: Path(value) if key in paths and isinstance(value, str) else value
+            for key, value in data.items()
+        }
+
+
+def _path_fields(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of `model` annotated `Path` or `Path | None`."""
+    found = set()
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if annotation is Path or Path in get_args(annotation):
+            found.add(name)
+    return frozenset(found)
+
 
 class NumactlConfig(_Section):
     """Bind the engine to a NUMA node with numactl (e.g. the GPU's node)."""
@@ -53,6 +78,8 @@ class EngineConfig(_Section):
     extra_args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
     numactl: NumactlConfig = Field(default_factory=NumactlConfig)
+    # vLLM's per-request (uvicorn) access log: "auto" = off while [door] is on, "on", "off".
+    access_log: Literal["auto", "on", "off"] = "auto"
 
     @field_validator("command")
     @classmethod
@@ -118,6 +145,10 @@ class PathsConfig(_Section):
     journal: Path | None = None
     socket: Path | None = None
     engine_logs_kept: int = Field(default=10, ge=1)
+    # One run's live log is rotated past this size (below 64 KiB a rotation would come every few
+    # seconds under load); `engine_log_backups` rotated copies are kept beside it (0: none).
+    engine_log_max_bytes: int = Field(default=16 * 1024 * 1024, ge=64 * 1024)
+    engine_log_backups: int = Field(default=1, ge=0, le=99)
 
     @model_validator(mode="after")
     def _socket_path_fits(self) -> PathsConfig:
@@ -284,6 +315,14 @@ class TuningConfig(_Section):
     explore_tolerance: float = Field(default=0.03, ge=0, lt=1)  # a step must improve the probe by more
     bounds: dict[str, tuple[float, float]] = Field(default_factory=dict)
 
+    @field_validator("bounds", mode="before")
+    @classmethod
+    def _bounds_from_arrays(cls, value: Any) -> Any:
+        """TOML writes a pair as an array (`[8, 64]`); strict validation takes only a tuple for one."""
+        if isinstance(value, dict):
+            return {k: tuple(v) if isinstance(v, list) else v for k, v in value.items()}
+        return value
+
     @field_validator("bounds")
     @classmethod
     def _bounds_name_tunables(cls, value: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
@@ -375,9 +414,10 @@ def load_config(path: str | os.PathLike[str]) -> Config:
 
 
 def parse_config(data: dict[str, Any], name: str = "<config>") -> Config:
-    """Validate an already-parsed TOML document. Raises ConfigError."""
+    """Validate an already-parsed TOML document, strictly (TOML is typed: `max_failures = true` is a
+    boolean, not a count; pydantic's lax mode would read it as 1). Raises ConfigError."""
     try:
-        return Config.model_validate(data)
+        return Config.model_validate(data, strict=True)
     except ValidationError as exc:
         raise ConfigError([_format_error(name, err) for err in exc.errors()]) from None
 

@@ -6,7 +6,8 @@ engine parameter in a direction, revert the last change, or only alert. A thresh
 the baseline recorded for that signal (`throughput.generation < 0.7 * baseline`).
 
 `load_rules(path)` returns a `RuleSet` or raises `ConfigError` whose problems read
-`file: rule NAME: key: reason` — what `tunerd check-config` prints.
+`file: rule NAME: key: reason` — what `tunerd check-config` prints. Types are strict, as in tunerd.toml:
+`for_s = "60"` is a string, `next = 1` is not a boolean (an integer stands for a float).
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ def parse_rules(data: dict[str, Any], name: str = "<rules>") -> RuleSet:
     """Validate an already-parsed rules document. Raises ConfigError with `file: rule NAME: key: reason`."""
     problems = _duplicate_names(name, data)
     try:
-        rules = RuleSet.model_validate(data)
+        rules = RuleSet.model_validate(data, strict=True)  # TOML is typed: `for_s = "60"` is a string
     except ValidationError as exc:
         problems += [_format_error(name, data, err) for err in exc.errors()]
     if problems:

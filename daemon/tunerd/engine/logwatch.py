@@ -215,15 +215,23 @@ class LogFollower:
 
     def read_lines(self) -> list[str]:
         """New complete lines (without newline). A missing file yields no lines."""
+        return self._split(self._read_new())
+
+    def _read_new(self) -> bytes:
+        """The bytes appended since the last read (the offset moves past them)."""
         try:
             with open(self.path, "rb") as f:
                 f.seek(self._offset)
                 data = f.read()
         except FileNotFoundError:
-            return []
+            return b""
+        self._offset += len(data)
+        return data
+
+    def _split(self, data: bytes) -> list[str]:
+        """The complete lines `data` ends, the partial line before it included."""
         if not data:
             return []
-        self._offset += len(data)
         if self._skipping:
             newline = data.find(b"\n")
             if newline < 0:

@@ -24,6 +24,7 @@ from tunerd.core.failures import EngineFailure, FailureKind, more_specific
 from tunerd.core.machine import MachineFacts
 from tunerd.core.params import EngineParams
 from tunerd.core.states import EngineState, check_transition
+from tunerd.engine.logfiles import BoundedLogFollower, LogCap, prune_runs
 from tunerd.engine.logwatch import (
     InitEngineTook,
     KvCacheSize,
@@ -111,11 +112,13 @@ class Engine:
         log_dir: Path,
         logs_kept: int,
         on_transition: TransitionListener,
+        log_cap: LogCap | None = None,
     ) -> None:
         self.os = oscalls
         self.marker = marker
         self.log_dir = log_dir
-        self.logs_kept = logs_kept
+        self.logs_kept = logs_kept  # runs whose logs are kept, this one included
+        self.log_cap = log_cap  # None: the log of a run is not bounded
         self.state = EngineState.STOPPED
         self.run: EngineRun | None = None
         self._on_transition = on_transition
@@ -157,13 +160,19 @@ class Engine:
             log_path=log_path,
             started_mono=now,
             started_wall=wall,
-            follower=LogFollower(log_path),
+            follower=self._follower(log_path),
         )
         self._change_state(EngineState.STARTING)
         return self.run
 
+    def _follower(self, log_path: Path) -> LogFollower:
+        if self.log_cap is None:
+            return LogFollower(log_path)
+        return BoundedLogFollower(log_path, self.log_cap)
+
     def _new_log_path(self, wall: datetime, run_id: int) -> Path:
-        """engine-<time>-<run>.log under the log dir; `engine.log` links to it; old logs pruned."""
+        """engine-<time>-<run>.log under the log dir; `engine.log` links to it; the logs of runs
+        beyond `logs_kept` (with their rotated copies) pruned."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         path = self.log_dir / f"engine-{wall.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{run_id}.log"
         link = self.log_dir / "engine.log"
@@ -174,9 +183,7 @@ class Engine:
             tmp_link.replace(link)
         except OSError:
             pass  # the link is a convenience for operators
-        logs = sorted(self.log_dir.glob("engine-*.log"), key=lambda p: p.stat().st_mtime)
-        for old in logs[: max(0, len(logs) - self.logs_kept + 1)]:
-            old.unlink(missing_ok=True)
+        prune_runs(self.log_dir, self.logs_kept - 1)
         return path
 
     def mark_ready(self, now: float) -> None:

@@ -81,8 +81,9 @@ class _UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer
 
 class OperatorSocket:
     """Serves commands on a unix socket from a daemon thread. `accept(command)` runs on the handler
-    thread: it validates against what it knows without the loop's state, enqueues, and returns None, or
-    returns why the command is refused (answered 400)."""
+    thread: it validates against what it knows without the loop's state, enqueues (a `restart --set`
+    waits, bounded, for the loop's answer), and returns None, or returns why the command is refused
+    (answered 400)."""
 
     def __init__(self, path: str, accept: Callable[[Command], str | None]) -> None:
         self.path = path

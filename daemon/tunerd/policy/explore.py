@@ -13,7 +13,8 @@ configuration in force that already breaks the limit is left towards the limit i
 still. A point already measured (in this search, or known from an earlier one under the same load) is
 not measured again.
 
-The objective is the probe's generation throughput — unless live traffic saturated the engine in the
+The objective (`policy/objective.EXPLORE`, with `explore_tolerance`) is the probe's generation
+throughput — unless live traffic saturated the engine in the
 window before the search's first probe: then the live window's throughput (all traffic, the probe's
 included) is what measures the engine's capacity, and the probe's few requests only their share of it.
 `objective_source` fixes that once per search, so every point is scored the same way.
@@ -27,13 +28,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal
 
 from tunerd.core.params import Backend
 from tunerd.policy.evidence import WindowStats
+from tunerd.policy.objective import Objective, Source
 from tunerd.policy.tunables import REGISTRY, Value, bounds_of
-
-Source = Literal["probe", "live"]
 
 
 def objective_source(live: WindowStats | None) -> Source:
@@ -42,13 +41,15 @@ def objective_source(live: WindowStats | None) -> Source:
     return "live" if live is not None and live.saturated else "probe"
 
 
-def scored(source: Source, probe: float | None, live: WindowStats | None) -> tuple[float | None, Source]:
-    """A point's objective and where it came from. `probe` is the probe's throughput, None when the
-    probe says the point is infeasible (errors, a latency limit broke): infeasible in either mode. In
-    live mode the live window's median throughput; the probe's when there is no window (too few polls)."""
+def scored(
+    goal: Objective, source: Source, probe: float | None, live: WindowStats | None
+) -> tuple[float | None, Source]:
+    """A point's value of `goal` and what measured it. `probe` is the probe's value, None when the probe
+    says the point is infeasible (errors, a latency limit broke): infeasible in either mode. In live
+    mode the live window's value; the probe's when there is no window (too few polls)."""
     if probe is None or source == "probe" or live is None:
         return probe, "probe"
-    return live.throughput.median, "live"
+    return goal.of(live), "live"
 
 
 def limit_excess(
@@ -123,7 +124,7 @@ class Search:
     its limit excess when it served but broke a latency limit)."""
 
     axes: tuple[Axis, ...]
-    tolerance: float
+    goal: Objective  # what a measurement is, and how much better a point must be to move the best
     measured: Mapping[tuple[str, Value], float | None] = field(default_factory=dict)
     best: Mapping[str, Value] = field(default_factory=dict)  # the best configuration so far
     best_objective: float | None = None
@@ -167,10 +168,10 @@ class Search:
         objective; while the best is infeasible, a point that served but broke its limit beats it by
         breaking it less (or beats a best that did not serve at all). A failed point never improves."""
         if objective is not None:
-            return self.best_objective is None or objective > self.best_objective * (1 + self.tolerance)
+            return self.goal.better(objective, self.best_objective)
         if self.best_objective is not None or excess is None:
             return False
-        return self.best_excess is None or excess < self.best_excess * (1 - self.tolerance)
+        return self.best_excess is None or excess < self.best_excess * (1 - self.goal.tolerance)
 
     def _replace_axis(self, old: Axis, new: Axis) -> Search:
         return replace(self, axes=tuple(new if a is old else a for a in self.axes))
@@ -181,16 +182,16 @@ def start(
     current: Mapping[str, Value],
     ladders: Mapping[str, tuple[Value, ...]],
     *,
-    tolerance: float,
+    goal: Objective,
     objective: float | None,
     known: Mapping[tuple[str, Value], float | None] | None = None,
     excess: float | None = None,
 ) -> Search:
-    """A search over `params` from the `current` configuration and its measured `objective` (None:
-    infeasible; `excess`: how far it broke a latency limit). `known` measurements (tuning memory, under a
-    comparable load) count as measured, and the best known value of a parameter, when it beats the
-    current one by more than the tolerance, is where its axis starts: the best known configuration is
-    the first proposal."""
+    """A search over `params` from the `current` configuration and its measured `objective`, a value of
+    `goal` (None: infeasible; `excess`: how far it broke a latency limit). `known` measurements (tuning
+    memory, under a comparable load, of the same objective and source) count as measured, and the best
+    known value of a parameter, when it beats the current one by more than the tolerance, is where its
+    axis starts: the best known configuration is the first proposal."""
     measured: dict[tuple[str, Value], float | None] = dict(known or {})
     for p in params:
         measured[(p, current[p])] = objective
@@ -200,14 +201,14 @@ def start(
         center = current[p]
         for value in ladders[p]:
             seen = measured.get((p, value))
-            if seen is not None and (best_objective is None or seen > best_objective * (1 + tolerance)):
+            if seen is not None and goal.better(seen, best_objective):
                 center, best[p], best_objective = value, value, seen
         tunable = REGISTRY[p]
         # A midpoint of two allowed block sizes is not one (91 between 64 and 128: vLLM refuses it).
         discrete = tunable.boolean or bool(tunable.choices_cpu or tunable.choices_cuda)
         axes.append(Axis(p, ladders[p], tunable.integer and not tunable.boolean, center, discrete=discrete))
     best_excess = excess if best_objective is None else None
-    return Search(tuple(axes), tolerance, measured, best, best_objective, best_excess)
+    return Search(tuple(axes), goal, measured, best, best_objective, best_excess)
 
 
 def _current(search: Search) -> Axis | None:

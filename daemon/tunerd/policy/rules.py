@@ -51,16 +51,14 @@ class RuleState:
     holding: tuple[bool, ...] = ()  # per term: held at the last evaluation (hysteresis)
     last_fired: float | None = None
     cooldown_until: float = float("-inf")
-    muted_until: float = float("-inf")
-    mute_reason: str | None = None
-    losses: int = 0  # consecutive trials of this rule that were reverted
+    muted_until: float = float("-inf")  # the tuning memory's mute (tune/memory.py keeps why, and losses)
     firing: bool = False  # fired and not yet resolved
     clear_since: float | None = None  # while firing: the condition has been false without a gap since then
     last: tuple[TermValue, ...] = field(default_factory=tuple)  # the last evaluation, for `tunerd rules`
 
     def fresh(self) -> RuleState:
-        """The state for a new engine run: the condition must hold (or clear) anew; cooldown, mute, losses
-        and whether it is firing stay."""
+        """The state for a new engine run: the condition must hold (or clear) anew; cooldown, mute and
+        whether it is firing stay."""
         return replace(self, holding_since=None, holding=(), last=(), clear_since=None)
 
 

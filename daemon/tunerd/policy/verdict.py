@@ -19,21 +19,22 @@ from typing import Literal
 
 from tunerd.config import TuningConfig
 from tunerd.policy.evidence import WindowStats, load_differs, ratio_interval, relative_change
+from tunerd.policy.objective import for_trial
 
 Decision = Literal["keep", "revert", "extend"]
-_LATENCY = {"ttft.p95": "ttft_p95", "itl.p95": "itl_p95", "e2e.p95": "e2e_p95"}
 
 
 @dataclass(frozen=True)
 class Verdict:
     decision: Decision
     reason: str
-    objective: str = ""
+    objective: str = ""  # the objective's name (policy/objective.py); `unit` says what before/after are
     before: float | None = None
     after: float | None = None
     interval: tuple[float, float] | None = None  # 90 % bootstrap interval of after/before (throughput)
     inconclusive: bool = False
     figures: dict[str, object] = field(default_factory=dict)
+    unit: str = ""
 
 
 def judge(
@@ -59,48 +60,38 @@ def judge(
     broken = _limit_broken(before, after, tuning)
     if broken:
         return Verdict("revert", broken)
-    objective, b, a, worse, interval = _objective(before, after, tuning)
+    goal = for_trial(tuning.objective, before, after, tuning.tolerance)
+    b, a = goal.of(before), goal.of(after)
+    worse = goal.worse(a, b)
+    interval = _interval(goal.samples(before), goal.samples(after))
+    objective = goal.name
     figures = {"saturated_before": before.saturated, "saturated_after": after.saturated}
+
+    def verdict(decision: Decision, reason: str) -> Verdict:
+        return Verdict(decision, reason, objective, b, a, interval, figures=figures, unit=goal.unit)
+
     if purpose == "safety":
         if eased:
-            return Verdict("keep", "the safety condition eased", objective, b, a, interval, figures=figures)
-        return Verdict(
-            "revert", "the safety condition did not ease", objective, b, a, interval, figures=figures
-        )
+            return verdict("keep", "the safety condition eased")
+        return verdict("revert", "the safety condition did not ease")
     if worse is None:
-        return Verdict(
-            "revert", f"{objective} unknown in a window", objective, b, a, interval, figures=figures
-        )
+        return verdict("revert", f"{objective} unknown in a window")
     if worse:
         change = relative_change(b, a)
         text = f"{objective} worse: {b:.4g} → {a:.4g} ({change:+.1%}, tolerance {tuning.tolerance:.0%})"  # type: ignore[str-format]
-        return Verdict("revert", text, objective, b, a, interval, figures=figures)
+        return verdict("revert", text)
     if not eased:
-        return Verdict(
-            "revert", "the triggering condition did not ease", objective, b, a, interval, figures=figures
-        )
+        return verdict("revert", "the triggering condition did not ease")
     change = relative_change(b, a)
     text = f"{objective} {b:.4g} → {a:.4g} ({change:+.1%}), condition eased" if change is not None else "kept"  # type: ignore[str-format]
-    return Verdict("keep", text, objective, b, a, interval, figures=figures)
+    return verdict("keep", text)
 
 
-def _objective(
-    before: WindowStats, after: WindowStats, tuning: TuningConfig
-) -> tuple[str, float | None, float | None, bool | None, tuple[float, float] | None]:
-    """(objective, before, after, worse?, interval). Throughput is the objective only when the engine
-    was saturated in both windows; otherwise the latency quantile of the configured objective (or
-    ITL p95 for a throughput objective: the latency at the offered load)."""
-    if tuning.objective == "throughput.generation" and before.saturated and after.saturated:
-        b, a = before.throughput.median, after.throughput.median
-        interval = ratio_interval(before.throughput_samples, after.throughput_samples)
-        worse = None if b <= 0 else a < b * (1 - tuning.tolerance)
-        return "throughput.generation", b, a, worse, interval
-    objective = tuning.objective if tuning.objective in _LATENCY else "itl.p95"
-    attr = _LATENCY[objective]
-    b, a = getattr(before, attr), getattr(after, attr)
-    if b is None or a is None:
-        return objective, b, a, None, None
-    return objective, b, a, a > b * (1 + tuning.tolerance), None
+def _interval(
+    before: tuple[float, ...] | None, after: tuple[float, ...] | None
+) -> tuple[float, float] | None:
+    """The bootstrap interval of after/before where the objective has per-poll samples (throughput)."""
+    return None if before is None or after is None else ratio_interval(before, after)
 
 
 def _limit_broken(before: WindowStats, after: WindowStats, tuning: TuningConfig) -> str | None:

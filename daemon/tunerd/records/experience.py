@@ -8,8 +8,16 @@ so `tunerd memory import` beside a running daemon loses nothing. A missing file 
 unreadable or damaged one too (`load_error` says why, and it is kept as `<file>.damaged` at the next
 write): the memory never stops the daemon.
 
+Every value names its objective (policy/objective.py): `objective_name`, `objective_unit` and
+`objective_source` (what measured it: "live", the window of real traffic, or "probe", the benchmark
+probe), so tok/s and seconds never read as one figure, and an entry is filed under the workload key of
+what measured it. Entries written before these fields read still: a probe's value was always the
+probe's generation throughput, an exploration point's that throughput from a source not recorded, a
+trial's value is of no objective the entry can name (it is not ranked).
+
 Queries take one `ExperienceKey`; `best`, `bad_values` and `measured` use verified entries only unless
-asked. An upgrade (`mark_unverified`) keeps old entries but flags them: hints, not truth. vLLM's version is
+asked; `best` and `measured` compare values of one named objective (and source) only.
+An upgrade (`mark_unverified`) keeps old entries but flags them: hints, not truth. vLLM's version is
 part of the key, so after an upgrade the new key starts empty; `any_vllm=True` asks across versions for
 a first proposal.
 
@@ -111,10 +119,12 @@ def model_key(identity: Mapping[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class Entry:
-    """One outcome. `params`: the whole configuration measured; `objective`: its figure (None: none,
-    e.g. the start failed); `figures["param"]`, for a trial or exploration point, names the parameter
-    it changed; `unverified`: why it no longer counts as truth (None: it does); `origin`: the file it
-    was imported from (None: measured here)."""
+    """One outcome. `params`: the whole configuration measured; `objective`: its value (None: none,
+    e.g. the start failed) of the objective `objective_name` in `objective_unit`, measured by
+    `objective_source` ("live" or "probe"; None: not recorded, an entry of an older tunerd);
+    `figures["param"]`, for a trial or exploration point, names the parameter it changed; `unverified`:
+    why it no longer counts as truth (None: it does); `origin`: the file it was imported from (None:
+    measured here)."""
 
     key: ExperienceKey
     kind: str
@@ -125,6 +135,9 @@ class Entry:
     at: float
     unverified: str | None = None
     origin: str | None = None
+    objective_name: str | None = None
+    objective_unit: str | None = None
+    objective_source: str | None = None
 
     @property
     def verified(self) -> bool:
@@ -155,10 +168,13 @@ class Entry:
             at=float(raw["at"]),
             unverified=_text(raw, "unverified"),
             origin=_text(raw, "origin"),
+            objective_name=_text(raw, "objective_name"),
+            objective_unit=_text(raw, "objective_unit"),
+            objective_source=_text(raw, "objective_source"),
         )
         if entry.kind not in KINDS:
             raise ValueError(f"kind {entry.kind!r} is not one of {', '.join(KINDS)}")
-        return entry
+        return _named(entry)
 
 
 @dataclass(frozen=True)
@@ -201,28 +217,39 @@ class Experience:
         """The keys that have entries, in the order they first appear."""
         return list(dict.fromkeys(e.key for e in self.entries()))
 
+    def objectives(self, key: ExperienceKey) -> list[str]:
+        """The names of the objectives `key`'s entries have values of, in the order they first appear."""
+        named = (e.objective_name for e in self.entries(key) if e.objective is not None)
+        return [name for name in dict.fromkeys(named) if name is not None]
+
     def best_entry(
         self,
         key: ExperienceKey,
         *,
-        maximize: bool = True,
+        objective: str,
+        maximize: bool,
+        source: str | None = None,
         include_unverified: bool = False,
         any_vllm: bool = False,
         kinds: Collection[str] = KINDS,
     ) -> Entry | None:
-        """The entry with the best objective (the highest; `maximize=False`: the lowest) among those with
-        an objective and an acceptable decision (not in BAD_DECISIONS); the latest on a tie."""
+        """The entry with the best value of the objective called `objective` (the highest; `maximize=False`:
+        the lowest — the objective's direction), measured by `source` (None: any), among those with a
+        value and an acceptable decision (not in BAD_DECISIONS); the latest on a tie. Values of other
+        objectives do not compare and are not considered."""
         best: Entry | None = None
         sign = 1.0 if maximize else -1.0
         for entry in self._usable(key, include_unverified, any_vllm, kinds):
             if entry.objective is None or entry.decision in BAD_DECISIONS:
+                continue
+            if not _measures(entry, objective, source):
                 continue
             if best is None or sign * entry.objective >= sign * best.objective:  # type: ignore[operator]
                 best = entry
         return best
 
     def best(self, key: ExperienceKey, **options: Any) -> dict[str, Any] | None:
-        """The params with the best verified objective (see `best_entry` for `options`), or None."""
+        """The params of `best_entry` (the objective and its direction are among `options`), or None."""
         entry = self.best_entry(key, **options)
         return None if entry is None else dict(entry.params)
 
@@ -252,15 +279,21 @@ class Experience:
         param: str,
         others: Mapping[str, Any],
         *,
+        objective: str,
+        source: str,
         include_unverified: bool = False,
         kinds: Collection[str] = KINDS,
     ) -> dict[Any, float | None]:
-        """{value of `param`: objective} of the entries where every parameter of `others` had that value
-        (parameters not in `others` are not compared): the latest measurement of each value; None where
-        it failed or lost (decision in BAD_DECISIONS: infeasible for the search, never chosen). For an
+        """{value of `param`: value of `objective`} of the entries of that objective measured by `source`
+        where every parameter of `others` had that value (parameters not in `others` are not compared):
+        the latest measurement of each value; None where it failed or lost (decision in BAD_DECISIONS:
+        infeasible for the search, never chosen; a failure has no objective and counts for any). For an
         exploration to skip points already measured."""
         points: dict[Any, float | None] = {}
         for entry in self._usable(key, include_unverified, False, kinds):
+            bad = entry.decision in BAD_DECISIONS
+            if not bad and not _measures(entry, objective, source):
+                continue
             if param not in entry.params or any(
                 k != param and (k not in entry.params or entry.params[k] != v) for k, v in others.items()
             ):
@@ -287,15 +320,30 @@ class Experience:
         decision: str,
         figures: Mapping[str, Any],
         at: float,
+        objective_name: str | None = None,
+        objective_unit: str | None = None,
+        objective_source: str | None = None,
     ) -> bool:
         """Add one outcome (`at`: wall time, seconds since the epoch) and write the file; False when it
-        could not be written (`save_error` says why; it is retried with the next write). Raises
-        ValueError only for a `kind` not in KINDS (a caller's bug)."""
+        could not be written (`save_error` says why; it is retried with the next write). `objective` is a
+        value of the objective `objective_name`, in `objective_unit`, measured by `objective_source`
+        ("live" or "probe"). Raises ValueError only for a `kind` not in KINDS (a caller's bug)."""
         if kind not in KINDS:
             raise ValueError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
         value = None if objective is None or not math.isfinite(objective) else float(objective)
-        entry = Entry(key, kind, _plain(dict(params)), value, decision, _plain(dict(figures)), float(at))
-        self._pending.append(entry)
+        entry = Entry(
+            key,
+            kind,
+            _plain(dict(params)),
+            value,
+            decision,
+            _plain(dict(figures)),
+            float(at),
+            objective_name=objective_name,
+            objective_unit=objective_unit,
+            objective_source=objective_source,
+        )
+        self._pending.append(_named(entry))
         return self._update(lambda entries: entries)
 
     def mark_unverified(self, reason: str, *, vllm: str | None = None, driver: str | None = None) -> int:
@@ -458,6 +506,30 @@ def _render(entries: list[Entry]) -> bytes:
     lines = ",\n".join(f"  {_dumps(e.as_dict())}" for e in entries)
     body = f"\n{lines}\n " if entries else ""
     return f'{{\n "format": "{FORMAT}",\n "version": {VERSION},\n "entries": [{body}]\n}}\n'.encode()
+
+
+# What an entry of an older tunerd (no objective fields) measured: a probe's value was the probe's
+# generation throughput (tune/recall.py wrote `ProbeResult.throughput`); an exploration point's was that
+# throughput too, from the probe or from live traffic (not recorded); a trial's was the verdict's `after`,
+# tok/s when saturated and an ITL p95 in seconds otherwise — not knowable from the entry.
+_LEGACY: dict[str, tuple[str, str, str | None]] = {
+    "probe": ("throughput.generation", "tok/s", "probe"),
+    "explore": ("throughput.generation", "tok/s", None),
+}
+
+
+def _named(entry: Entry) -> Entry:
+    """`entry` with its objective named where an entry of an older tunerd left it out and its kind says
+    what it was."""
+    if entry.objective_name is not None or entry.kind not in _LEGACY:
+        return entry
+    name, unit, source = _LEGACY[entry.kind]
+    return replace(entry, objective_name=name, objective_unit=unit, objective_source=source)
+
+
+def _measures(entry: Entry, objective: str, source: str | None) -> bool:
+    """The entry's value is one of `objective`, measured by `source` (None: any)."""
+    return entry.objective_name == objective and (source is None or entry.objective_source == source)
 
 
 def _text(raw: Mapping[str, Any], name: str) -> str | None:

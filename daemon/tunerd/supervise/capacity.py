@@ -7,6 +7,7 @@ the NUMA node vLLM's CPU backend reads), keeps calibrations in the state dir.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,7 +99,12 @@ class CalibrationStore:
 
 
 class Capacity:
-    """Answers "does this parameter set fit?" before a start, and learns from each start."""
+    """Answers "does this parameter set fit?" before a start, and learns from each start.
+
+    `check` and `calibrate` run in worker jobs, several of which may run at once (a start's preflight, an
+    operator's `restart --set`, a trial's plan, a calibration): one lock serialises them, so the model
+    cache, the once-only checks and the calibration file are never read half-written.
+    """
 
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -106,6 +112,7 @@ class Capacity:
         self._model: ModelInfo | None = None
         self._model_key: tuple[str, float, str | None] | None = None
         self._checked = False  # the operator's preflight checks are journaled once, before the first start
+        self._lock = threading.Lock()
 
     def model(self) -> ModelInfo | None:
         """The model's description in the dtype vLLM is told to serve it in (`--dtype` in extra_args: the
@@ -122,6 +129,11 @@ class Capacity:
         return self._model
 
     def check(self, params: EngineParams) -> PlanOutcome:
+        """The planner's verdict for `params` (see `_check`), one caller at a time."""
+        with self._lock:
+            return self._check(params)
+
+    def _check(self, params: EngineParams) -> PlanOutcome:
         """The planner's verdict for `params` on this machine now (with the stored calibration), and the
         backend's own constraints on the flags (`core.params.backend_problems`).
 
@@ -177,6 +189,13 @@ class Capacity:
         )
 
     def calibrate(
+        self, run_id: int, report: StartReport, params: EngineParams, machine: MachineFacts | None
+    ) -> CalibrationDone | None:
+        """`_calibrate`, one caller at a time."""
+        with self._lock:
+            return self._calibrate(run_id, report, params, machine)
+
+    def _calibrate(
         self, run_id: int, report: StartReport, params: EngineParams, machine: MachineFacts | None
     ) -> CalibrationDone | None:
         """Keep what vLLM reported at this start (`report`, gathered from its log as it was read) for the

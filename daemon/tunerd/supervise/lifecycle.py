@@ -25,6 +25,7 @@ from tunerd.core.failures import EngineFailure, FailureKind
 from tunerd.core.machine import MemoryReading
 from tunerd.core.params import EngineParams
 from tunerd.core.states import EngineState
+from tunerd.engine.logfiles import LogCap
 from tunerd.engine.logwatch import KvCacheSize
 from tunerd.engine.oscalls import OsCalls
 from tunerd.engine.process import Engine, EngineRun, Exited, TreeGone, failure_from_exit
@@ -83,6 +84,7 @@ class Lifecycle(TrialHost, DrainHost):
             marker=dstate.instance_id,
             log_dir=config.paths.engine_log_dir,
             logs_kept=config.paths.engine_logs_kept,
+            log_cap=LogCap(config.paths.engine_log_max_bytes, config.paths.engine_log_backups),
             on_transition=self._on_transition,
         )
         self.params = config.engine.params
@@ -121,6 +123,8 @@ class Lifecycle(TrialHost, DrainHost):
         self._config = config
         self.capacity.config = config
         self.starter.config = config
+        self.engine.logs_kept = config.paths.engine_logs_kept  # from the next start on
+        self.engine.log_cap = LogCap(config.paths.engine_log_max_bytes, config.paths.engine_log_backups)
 
     # -- starting ----------------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from tunerd.config import Config
 from tunerd.core.failures import EngineFailure, FailureKind
 from tunerd.core.machine import GpuFacts
 from tunerd.core.params import EngineParams
-from tunerd.engine.launch import build_argv, build_env, drain_args
+from tunerd.engine.launch import access_log_args, build_argv, build_env, drain_args
 from tunerd.engine.leftovers import LeftoverReaper
 from tunerd.engine.oscalls import OsCalls
 from tunerd.engine.process import Engine, EngineRun
@@ -127,7 +127,8 @@ class Starter:
     def _spawn(self, pending: PendingStart, now: float) -> StartStep:
         engine_cfg = self.config.engine
         capabilities = self.dstate.capabilities or {}
-        argv = build_argv(engine_cfg, pending.params) + drain_args(self.config, capabilities)
+        argv = build_argv(engine_cfg, pending.params) + access_log_args(self.config)
+        argv += drain_args(self.config, capabilities)
         if capabilities.get("command") == list(engine_cfg.command) and capabilities.get("dropped_flags"):
             argv = without_flags(argv, capabilities["dropped_flags"])  # this vLLM does not know them
         try:

@@ -36,7 +36,8 @@ from tunerd.core.params import EngineParams
 from tunerd.engine.process import EngineRun
 from tunerd.observe.probe import ProbeResult
 from tunerd.policy.evidence import WindowStats
-from tunerd.policy.explore import Search, Source, ladder, limit_excess, objective_source, scored, start
+from tunerd.policy.explore import Search, ladder, limit_excess, objective_source, scored, start
+from tunerd.policy.objective import EXPLORE, Objective, Source
 from tunerd.policy.tunables import REGISTRY, Value
 from tunerd.records.recorder import Recorder
 from tunerd.supervise.capacity import PlanOutcome
@@ -74,6 +75,7 @@ class Exploration:
     baseline_objective: float | None = None
     plan: Future[PlanOutcome] | None = None  # the planner's verdict on the point, while PLANNING
     source: Source = "probe"  # what scores every point of this exploration, fixed at its start
+    live: WindowStats | None = None  # live traffic's window before the search: the load a live score is of
     pending: tuple[ProbeResult | None, str | None] | None = None  # a probe done, the live window not yet
     defaults: dict[str, Value] = field(default_factory=dict)  # vLLM's values of the params not set at start
 
@@ -107,6 +109,10 @@ class Explorer:
         self.on_kept = on_kept  # a new configuration is last-known-good: the tuner records a new baseline
         self.current: Exploration | None = None
 
+    def goal(self) -> Objective:
+        """What scores a point: the exploration's objective with `tuning.explore_tolerance`."""
+        return EXPLORE(tolerance=self.config().tuning.explore_tolerance)
+
     # -- starting ---------------------------------------------------------------------------------
 
     def begin(self, params: Sequence[str], reason: str, *, recall: EngineParams | None = None) -> str | None:
@@ -137,9 +143,9 @@ class Explorer:
         # saturate a small max_num_seqs (the engine tier's 4 at a time against 2 made an idle engine look
         # saturated, and each point then scored its mostly idle window: 0 tok/s).
         live = self.window(ex.since - self.config().tuning.window_s, ex.since)
-        ex.source = objective_source(live)
+        ex.source, ex.live, goal = objective_source(live), live, self.goal()
         feasible, excess = self._probe_score(result)
-        objective, _ = scored(ex.source, feasible, live)
+        objective, _ = scored(goal, ex.source, feasible, live)
         if ex.recall is not None:
             self._recall_start(ex, result, objective, live)
             return
@@ -166,7 +172,9 @@ class Explorer:
                 name, value, backend=backend, unified=unified, bounds=tuning.bounds,
                 unified_cap=tuning.unified_max_gpu_memory_utilization,
             )  # fmt: skip
-        known = self.recall.known(ex.params, params) if self.recall is not None else {}
+        known = {}
+        if self.recall is not None:
+            known = self.recall.known(ex.params, params, goal=goal, source=ex.source, live=live)
         for name, value in self.memory.tabu():
             if name in ex.params:
                 known.setdefault((name, value), None)  # known-bad: never measured, never chosen
@@ -174,7 +182,7 @@ class Explorer:
             ex.params,
             current,
             ladders,
-            tolerance=tuning.explore_tolerance,
+            goal=goal,
             objective=objective,
             known=known,
             excess=excess,
@@ -187,6 +195,7 @@ class Explorer:
             trigger=ex.reason,
             ladders={k: list(v) for k, v in ladders.items()},
             objective=objective,
+            **goal.fields(),
             limit_excess=excess,
             objective_source=ex.source,
             probe=result.as_dict(),
@@ -272,15 +281,15 @@ class Explorer:
     def _scored(self, ex: Exploration, result: ProbeResult | None, why: str | None, now: float) -> None:
         live = self.window(ex.since, now) if ex.source == "live" else None
         feasible, excess = self._probe_score(result) if result is not None else (None, None)
-        objective, source = scored(ex.source, feasible, live)
+        objective, source = scored(self.goal(), ex.source, feasible, live)
         figures = result.as_dict() if result is not None else {"error": why}
-        extra = {"objective_source": source, "live": live.as_dict() if live is not None else None}
+        extra = {"live": live.as_dict() if live is not None else None}
         if ex.recall is not None:
-            self._recall_measured(ex, objective, figures, extra)
+            self._recall_measured(ex, objective, figures, source, extra)
             return
         if ex.point is None or ex.search is None:
             return
-        self._record_point(ex, objective, figures, excess=excess, **extra)
+        self._record_point(ex, objective, figures, excess=excess, source=source, **extra)
         self.life.end_trial(keep=True, reason="exploration point measured", promote=False)
         self._next(now)
 
@@ -290,31 +299,43 @@ class Explorer:
         objective: float | None,
         figures: dict[str, Any],
         excess: float | None = None,
+        source: Source | None = None,
         **extra: Any,
     ) -> None:
+        """Fold a point in, file it in the tuning memory and journal it. `source`: what measured its
+        value (None: nothing did, it failed: the exploration's source)."""
         assert ex.point is not None and ex.search is not None
         name, value = ex.point
         ex.search = ex.search.record(name, value, objective, excess)
         entry = {"param": name, "value": value, "objective": objective, "limit_excess": excess}
         ex.measured.append(entry)
+        source = source or ex.source
         if self.recall is not None:
+            params = self.life.params.replace(**{**ex.search.best, name: value})
             self.recall.point(
-                self.life.params.replace(**{**ex.search.best, name: value}), name, objective, figures
+                params, name, objective, figures, goal=ex.search.goal, source=source, live=ex.live
             )
         self.rec.record(
-            "explore.point", explore=ex.explore_id, **entry, best=dict(ex.search.best), probe=figures, **extra
+            "explore.point",
+            explore=ex.explore_id,
+            **entry,
+            **ex.search.goal.fields(),
+            objective_source=source,
+            best=dict(ex.search.best),
+            probe=figures,
+            **extra,
         )
 
     def _probe_score(self, result: ProbeResult) -> tuple[float | None, float | None]:
-        """(the probe's throughput, None) when it met the latency limits; (None, how far it broke the
-        worst one) when it broke one; (None, None) when it failed."""
+        """(the probe's value of the objective, None) when it met the latency limits; (None, how far it
+        broke the worst one) when it broke one; (None, None) when it failed."""
         if result.errors:
             return None, None
         tuning = self.config().tuning
         excess = limit_excess(
             result.ttft_p95, result.itl_p95, ttft_max=tuning.ttft_p95_max_s, itl_max=tuning.itl_p95_max_s
         )
-        return (None, excess) if excess is not None else (result.throughput, None)
+        return (None, excess) if excess is not None else (self.goal().of_probe(result.signals()), None)
 
     # -- a recall: one configuration from the tuning memory -----------------------------------------
 
@@ -331,6 +352,7 @@ class Explorer:
             trigger=ex.reason,
             recall=changes,
             objective=ex.baseline_objective,
+            **self.goal().fields(),
             objective_source=ex.source,
             probe=result.as_dict(),
             live=live.as_dict() if live is not None else None,
@@ -346,17 +368,32 @@ class Explorer:
         self._restarted(ex, Step.RESTARTING, self.monotonic())
 
     def _recall_measured(
-        self, ex: Exploration, objective: float | None, figures: dict[str, Any], extra: dict[str, Any]
+        self,
+        ex: Exploration,
+        objective: float | None,
+        figures: dict[str, Any],
+        source: Source,
+        extra: dict[str, Any],
     ) -> None:
         assert ex.recall is not None
-        base, tolerance = ex.baseline_objective, self.config().tuning.explore_tolerance
-        won = objective is not None and (base is None or objective > base * (1 + tolerance))
+        base, goal = ex.baseline_objective, self.goal()
+        tolerance = goal.tolerance
+        won = goal.better(objective, base)
         entry = {"recall": ex.recall.as_dict(), "objective": objective, "objective_before": base}
         ex.measured.append(entry)
-        self.rec.record("explore.point", explore=ex.explore_id, **entry, kept=won, probe=figures, **extra)
+        self.rec.record(
+            "explore.point",
+            explore=ex.explore_id,
+            **entry,
+            **goal.fields(),
+            objective_source=source,
+            kept=won,
+            probe=figures,
+            **extra,
+        )
         if self.recall is not None:  # its own figures here: a hint from elsewhere becomes a measurement
             for name in ex.params:
-                self.recall.point(ex.recall, name, objective, figures)
+                self.recall.point(ex.recall, name, objective, figures, goal=goal, source=source, live=ex.live)
         if won:
             self.life.end_trial(
                 keep=True, reason="exploration: the recalled configuration won", promote=False
@@ -416,6 +453,7 @@ class Explorer:
             reason=why,
             best=best,
             objective=ex.search.best_objective if ex.search is not None else None,
+            **self.goal().fields(),
             limit_excess=ex.search.best_excess if ex.search is not None else None,
             points=len(ex.measured),
             restarts=ex.restarts,

@@ -4,8 +4,11 @@ model and load show a pattern".
 
 Written: every probe (kind `probe`), every exploration point (`explore`) and every trial's verdict
 (`trial`), with the whole configuration measured, keyed by the model's identity, the hardware, vLLM's
-version and the workload's shape. The probe's shape is fixed by `[probe]`, so probe and exploration
-entries compare across boxes and deployments; a trial's shape is the live load of its before window.
+version and the workload's shape of what measured the value: the probe's shape is fixed by `[probe]`,
+so probe entries (and exploration points the probe scored) compare across boxes and deployments; an
+exploration point scored on live traffic is filed under the live load of the window before the search
+(the window that made it a live search), a trial under the live load of its before window. Every value
+carries its objective's name and unit and its source (policy/objective.py).
 
 Asked: known-bad values (the tabu list at a start), the points already measured (an exploration skips
 them), the best known configuration (the first proposal of a new deployment). Nothing is asked or
@@ -26,7 +29,9 @@ from tunerd.config import Config
 from tunerd.core.params import EngineParams
 from tunerd.observe.probe import ProbeResult
 from tunerd.policy.evidence import WindowStats
+from tunerd.policy.objective import EXPLORE, Objective, Source, objective
 from tunerd.policy.tunables import REGISTRY, Value
+from tunerd.policy.verdict import Verdict
 from tunerd.records.experience import (
     Experience,
     ExperienceKey,
@@ -82,46 +87,82 @@ class Recall:
         probe = self.config().probe
         return self.key(workload_key(probe.prompt_tokens, probe.max_tokens, probe.concurrency))
 
+    def measure_key(self, source: Source, live: WindowStats | None) -> ExperienceKey | None:
+        """The key of what measured a value: the live load of `live` for a live value (None without a
+        window: nothing to file it under), else the probe's."""
+        if source == "live":
+            return self.live_key(live) if live is not None else None
+        return self.probe_key()
+
     def live_key(self, window: WindowStats) -> ExperienceKey | None:
+        """The key of live traffic's load in `window`. Its concurrency is the requests outstanding
+        (running + waiting): what the clients offer. The running ones alone are capped by max_num_seqs
+        when the engine is saturated, so each point of a live search would have had a key of its own."""
+        outstanding = (window.running_avg or 0) + (window.waiting_avg or 0)
         return self.key(
             workload_key(
                 window.prompt_tokens_per_request or 0,
                 window.generation_tokens_per_request or 0,
-                window.running_avg or 0,
+                outstanding,
             )
         )
 
     # -- writing ------------------------------------------------------------------------------------
 
     def probe(self, result: ProbeResult, params: EngineParams) -> None:
-        objective = result.throughput if not result.errors else None
-        decision = "measured" if objective is not None else "failed"
-        self._record(self.probe_key(), params, objective, "probe", decision, result.as_dict())
+        """A probe: its value of the exploration's objective (generation throughput), None when a request
+        failed."""
+        goal = EXPLORE()
+        value = goal.of_probe(result.signals()) if not result.errors else None
+        decision = "measured" if value is not None else "failed"
+        key = self.probe_key()
+        self._record(key, params, value, goal, "probe", "probe", decision, result.as_dict())
 
     def point(
-        self, params: EngineParams, param: str, objective: float | None, figures: Mapping[str, Any]
+        self,
+        params: EngineParams,
+        param: str,
+        value: float | None,
+        figures: Mapping[str, Any],
+        *,
+        goal: Objective,
+        source: Source,
+        live: WindowStats | None = None,
     ) -> None:
-        """An exploration point: None objective = infeasible (its start failed, a limit broke)."""
-        decision = "measured" if objective is not None else "failed"
-        self._record(self.probe_key(), params, objective, "explore", decision, {**figures, "param": param})
+        """An exploration point: its `value` of `goal` (None = infeasible: its start failed, a limit
+        broke), measured by `source`, filed under that source's key (`measure_key`: `live` is the live
+        window whose load a live value measured)."""
+        decision = "measured" if value is not None else "failed"
+        key = self.measure_key(source, live)
+        self._record(key, params, value, goal, source, "explore", decision, {**figures, "param": param})
 
     def trial(
         self,
         params: EngineParams,
         param: str,
         decision: Literal["keep", "revert", "failed"],
-        objective: float | None,
         before: WindowStats,
         reason: str,
+        verdict: Verdict | None = None,
     ) -> None:
-        figures = {"param": param, "reason": reason, "objective_before": before.throughput.median}
-        self._record(self.live_key(before), params, objective, "trial", decision, figures)
+        """A rule's trial under the live load of its `before` window: the `verdict`'s value after the
+        change when it was kept (a reverted change is not a configuration to return to), with its
+        objective; no verdict when the start failed."""
+        value = verdict.after if verdict is not None and decision == "keep" else None
+        figures: dict[str, Any] = {"param": param, "reason": reason}
+        goal = None
+        if verdict is not None and verdict.objective:
+            goal = objective(verdict.objective)
+            figures["objective_before"] = verdict.before
+        self._record(self.live_key(before), params, value, goal, "live", "trial", decision, figures)
 
     def _record(
         self,
         key: ExperienceKey | None,
         params: EngineParams,
-        objective: float | None,
+        value: float | None,
+        goal: Objective | None,
+        source: Source,
         kind: Literal["trial", "probe", "explore"],
         decision: str,
         figures: Mapping[str, Any],
@@ -132,11 +173,14 @@ class Recall:
         written = self.experience.record(
             key,
             params.as_dict(),
-            objective,
+            value,
             kind=kind,
             decision=decision,
             figures={**figures, "driver": driver},
             at=self.wallclock().timestamp(),
+            objective_name=goal.name if goal is not None else None,
+            objective_unit=goal.unit if goal is not None else None,
+            objective_source=source,
         )
         if not written:
             log.warning(
@@ -168,25 +212,50 @@ class Recall:
                     seen.setdefault((param, repr(value)), (param, value, why))
         return list(seen.values())
 
-    def known(self, names: Sequence[str], params: EngineParams) -> dict[tuple[str, Value], float | None]:
-        """The points of `names` already measured under the probe's load with every other parameter as
-        in `params`: {(param, value): objective, None = infeasible}. For an exploration to skip them."""
-        key = self.probe_key()
+    def known(
+        self,
+        names: Sequence[str],
+        params: EngineParams,
+        *,
+        goal: Objective,
+        source: Source,
+        live: WindowStats | None = None,
+    ) -> dict[tuple[str, Value], float | None]:
+        """The points of `names` already measured as a search scoring `goal` by `source` would measure
+        them — under that source's load (`measure_key`), values of that objective from that source —
+        with every other parameter as in `params`: {(param, value): value, None = infeasible}. For an
+        exploration to skip them."""
+        key = self.measure_key(source, live)
         if key is None:
             return {}
         current = params.as_dict()
         points: dict[tuple[str, Value], float | None] = {}
         for name in names:
             others = {k: v for k, v in current.items() if k != name}
-            for value, objective in self.experience.measured(key, name, others, kinds=PROBE_KINDS).items():
-                points[(name, value)] = objective
+            measured = self.experience.measured(
+                key, name, others, objective=goal.name, source=source, kinds=PROBE_KINDS
+            )
+            for value, figure in measured.items():
+                points[(name, value)] = figure
         return points
 
     def best_known(self, params: EngineParams) -> tuple[EngineParams, float] | None:
-        """The best configuration measured under the probe's load (any vLLM version: a first proposal,
-        verified by a trial) with its objective, when it differs from `params` in tunable parameters only."""
-        key = self.probe_key()
-        entry = self.experience.best_entry(key, any_vllm=True, kinds=PROBE_KINDS) if key else None
+        """The best configuration the probe measured under its load (any vLLM version: a first proposal,
+        verified by a trial) with its value of the exploration's objective, when it differs from `params`
+        in tunable parameters only."""
+        key, goal = self.probe_key(), EXPLORE
+        entry = (
+            self.experience.best_entry(
+                key,
+                objective=goal.name,
+                maximize=goal.direction == "higher",
+                source="probe",
+                any_vllm=True,
+                kinds=PROBE_KINDS,
+            )
+            if key
+            else None
+        )
         if entry is None or entry.objective is None:
             return None
         changes = {k: v for k, v in entry.params.items() if k in REGISTRY and getattr(params, k) != v}

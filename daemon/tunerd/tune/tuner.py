@@ -451,6 +451,7 @@ class Tuner:
             decision=decision,
             reason=verdict.reason,
             objective=verdict.objective,
+            objective_unit=verdict.unit or None,
             objective_before=verdict.before,
             objective_after=verdict.after,
             ratio_interval_90=list(verdict.interval) if verdict.interval else None,
@@ -461,8 +462,7 @@ class Tuner:
         log.info("trial.decided", **trial.describe(), decision=decision, reason=verdict.reason)
         if self.recall is not None:
             p = trial.proposal
-            objective = verdict.after if verdict.decision == "keep" else None
-            self.recall.trial(p.params, p.param, verdict.decision, objective, trial.before, verdict.reason)
+            self.recall.trial(p.params, p.param, verdict.decision, trial.before, verdict.reason, verdict)
         if verdict.decision == "keep":
             self._kept(trial, after)
             return
@@ -556,9 +556,7 @@ class Tuner:
         self._lost(trial, f"failed: {failure.kind}")
         if self.recall is not None:
             p = trial.proposal
-            self.recall.trial(
-                p.params, p.param, "failed", None, trial.before, f"its start failed: {failure.kind}"
-            )
+            self.recall.trial(p.params, p.param, "failed", trial.before, f"its start failed: {failure.kind}")
         self.metrics.trials.labels(outcome="failed").inc()
         self.memory.count_restart()
         self._publish_phase()  # the revert the lifecycle starts at once
