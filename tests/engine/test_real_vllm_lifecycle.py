@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.engine.conftest import real_sections
+from tests.engine.conftest import LoggedStarts, real_sections
 from tests.harness import Daemon, alive
 from tunerd.procfs import processes as procfs
 
@@ -34,12 +34,18 @@ pytestmark = pytest.mark.engine
 
 @pytest.fixture(scope="module")
 def daemon(
-    tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, vllm_cache: dict[str, str]
+    tmp_path_factory: pytest.TempPathFactory,
+    tiny_model: Path,
+    vllm_cache: dict[str, str],
+    logged_starts: LoggedStarts,
 ) -> Iterator[Daemon]:
     workdir = tmp_path_factory.mktemp("lifecycle")
     daemon = Daemon(workdir, real_sections(tiny_model, vllm_cache, observe={"poll_interval_s": 0.25}))
     daemon.start()
     try:
+        # The first start is the planner's case A-kv-1000000 (the same flags): it reads this log.
+        daemon.wait_event("engine.ready", timeout=400)
+        logged_starts.keep(daemon, next(r for r in daemon.records() if r["event"] == "engine.spawned"))
         yield daemon
         if daemon.running:
             assert daemon.stop(timeout=120) == 0, daemon.dump()
