@@ -110,6 +110,7 @@ class Commands:
         *,
         recorder: Recorder,
         submit: Submit,
+        cache_reset: Callable[[str], None] | None = None,
     ) -> None:
         self.life = lifecycle
         self.tuner = tuner
@@ -118,6 +119,9 @@ class Commands:
         self.rec = recorder
         self.submit = submit
         self.asked: list[tuple[Asked, Future[PlanOutcome]]] = []  # waiting for the planner's check
+        # `tunerd cache-reset`: the off-peak reset now (supervise.cache_reset.CacheReset.due with the
+        # loop's signals; its trigger is the command's token).
+        self.cache_reset = cache_reset
 
     def ask(self, asked: Asked) -> None:
         """Loop: a `restart --set` the handler waits on. A change of parameters goes to the planner in a
@@ -186,6 +190,8 @@ class Commands:
             why = tuner.explore(list(command.names), reason)
             if why is not None:
                 self.rec.record("explore.refused", params=list(command.names), reason=why, trigger=reason)
+        elif command.name == "cache-reset" and self.cache_reset is not None:
+            self.cache_reset(command.reason or "operator cache-reset")
 
     def _probe(self, trigger: str) -> None:
         """`tunerd probe`: one probe now; its `probe.result` (or why it did not run) is journaled."""

@@ -187,6 +187,7 @@ class Supervisor:
             recall=recall,
             knobs=self.door_link,
         )
+        cache_reset = self.cache_reset
         self.commands = Commands(
             self.lifecycle,
             self.tuner,
@@ -194,6 +195,7 @@ class Supervisor:
             lambda: self.door_link,
             recorder=self.recorder,
             submit=self.jobs.submit,
+            cache_reset=lambda trigger: cache_reset.due(self.signals, trigger),
         )
         self._schedule()
         params, why = self.lifecycle.initial_params()

@@ -160,13 +160,18 @@ class Handler(BaseHTTPRequestHandler):
             self.state.end(req)
 
     def _generate(self, req: Request, on_token: Any = None) -> bool:
-        """Produce tokens at REQUEST_TOKENS_PER_S; False as soon as the engine died or shutdown aborts."""
+        """Produce tokens at REQUEST_TOKENS_PER_S of this process' clock: a step credits the time that
+        passed since the last one, not the STEP_S it asked to sleep (a busy box wakes the thread late, and
+        the rate then depended on how busy it was). False as soon as the engine died or shutdown aborts."""
         sent = 0
+        last = time.monotonic()
         while req.generated < req.max_tokens:
             if self.state.failed():
                 return False
             time.sleep(STEP_S)
-            self.state.step(req, STEP_S)
+            now = time.monotonic()
+            self.state.step(req, now - last)
+            last = now
             while on_token is not None and sent < int(req.generated):
                 on_token()
                 sent += 1

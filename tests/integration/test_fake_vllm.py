@@ -446,3 +446,21 @@ def test_hold_mb_makes_the_engine_core_resident(start_fake: Callable[..., Fake])
     fake.wait_ready()
     engine = next(p for p in fake.tree() if comm(p) == "VLLM::EngineCor")
     assert engine.memory_info().rss > 64 << 20
+
+
+def test_max_num_seqs_holds_back_a_request_equal_to_the_running_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two probe requests of the same sizes begin together; the waiting one's thread may step first (a busy
+    # box reorders the threads). In-process: the fake's scheduler state, stepped in that order.
+    monkeypatch.syspath_prepend(str(FAKE.parent))
+    import fake_metrics
+    import fake_vllm
+
+    ns = fake_vllm.parse_args(["--model", "/nonexistent", "--max-num-seqs", "1"])
+    state = fake_metrics.ServeState(ns, fake_vllm.kv_plan(ns, 512), fake_metrics.Control(None))
+    first, second = state.begin(16, 48), state.begin(16, 48)
+    for _ in range(3):
+        state.step(second, 0.02)  # the one that waits steps first
+        state.step(first, 0.02)
+    assert second.generated == 0 and first.generated > 0
+    state.end(second)  # ends the one it names (it gave up), not the first equal one
+    assert state.requests == [first] and state.requests[0] is first

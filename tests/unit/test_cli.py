@@ -118,3 +118,15 @@ def test_no_module_of_the_cli_imports_main_back() -> None:
             elif isinstance(node, ast.Import):
                 circle += [f"{source.name}:{node.lineno}" for a in node.names if a.name == "tunerd.cli.main"]
     assert circle == []
+
+
+def test_cache_reset_answers_say_what_vllm_did_and_exit_0_only_when_it_reset() -> None:
+    from tunerd.cli.probe import cache_reset_answer
+
+    done = {"event": "cache_reset.done", "attempts": 3, "seconds": 0.41, "before": {"kv_cache.usage": 0.4},
+            "after": {"kv_cache.usage": 0.0}}  # fmt: skip
+    assert cache_reset_answer(done) == ("cache reset: done (3 attempts, 0.41 s); kv_cache.usage 0.4 → 0.0", 0)
+    skipped = {"event": "cache_reset.skipped", "reason": "vLLM is not idle"}
+    assert cache_reset_answer(skipped) == ("tunerd cache-reset: it did not run: vLLM is not idle", 1)
+    failed = {"event": "cache_reset.failed", "attempts": 6, "detail": "HTTP 200; gave up after 6 attempts"}
+    assert cache_reset_answer(failed)[1] == 1 and "failed after 6 attempts" in cache_reset_answer(failed)[0]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -19,6 +20,7 @@ import httpx
 import pytest
 
 from tunerd.engine.admin import dev_mode, reset_prefix_cache
+from tunerd.faces.http import SHUTDOWN_POLL_S  # shutdown() waits up to one poll
 
 DONE = (200, b'{"success":true}')
 IN_USE = (200, b'{"success":false}')
@@ -26,11 +28,13 @@ NOT_FOUND = (404, b'{"detail":"Not Found"}')
 
 
 class ScriptServer:
-    """Answers each POST with the next (status, body) of `script` (the last one repeats)."""
+    """Answers each POST with the next (status, body) of `script` (the last one repeats), each after
+    `delay_s`; `held` is how long each answer was held, on the server's own monotonic clock."""
 
-    def __init__(self, script: list[tuple[int, bytes]]) -> None:
+    def __init__(self, script: list[tuple[int, bytes]], delay_s: float = 0.0) -> None:
         self.script = list(script)
         self.paths: list[str] = []
+        self.held: list[float] = []
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -40,7 +44,10 @@ class ScriptServer:
                 pass
 
             def do_POST(self) -> None:
+                received = time.monotonic()
                 server.paths.append(self.path)
+                time.sleep(delay_s)  # the known delay, not a synchronisation
+                server.held.append(time.monotonic() - received)
                 status, body = server.script.pop(0) if len(server.script) > 1 else server.script[0]
                 self.send_response(status)
                 self.send_header("content-type", "application/json")
@@ -51,7 +58,7 @@ class ScriptServer:
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        threading.Thread(target=self.httpd.serve_forever, args=(SHUTDOWN_POLL_S,), daemon=True).start()
 
     def close(self) -> None:
         self.httpd.shutdown()
@@ -62,8 +69,8 @@ class ScriptServer:
 def serve() -> Iterator[Callable[[list[tuple[int, bytes]]], ScriptServer]]:
     servers: list[ScriptServer] = []
 
-    def start(script: list[tuple[int, bytes]]) -> ScriptServer:
-        servers.append(ScriptServer(script))
+    def start(script: list[tuple[int, bytes]], delay_s: float = 0.0) -> ScriptServer:
+        servers.append(ScriptServer(script, delay_s))
         return servers[-1]
 
     yield start
@@ -77,12 +84,14 @@ class Sleeps(list[float]):
 
 
 def test_success_at_once(serve: Callable[..., ScriptServer]) -> None:
-    server, sleeps = serve([DONE]), Sleeps()
+    server, sleeps = serve([DONE], delay_s=0.05), Sleeps()
     result = reset_prefix_cache(server.url, retries=5, retry_after_s=10.0, sleep=sleeps)
     assert (result.ok, result.attempts) == (True, 1)
     assert sleeps == [] and result.detail == 'HTTP 200 {"success": true}'
     assert server.paths == ["/reset_prefix_cache"]  # never reset_running_requests: live requests stay
-    assert result.seconds >= 0
+    # The reset's duration contains the server's: it was asked before the server received, and answered
+    # after the server held the answer 0.05 s (both on this process's monotonic clock).
+    assert result.seconds >= server.held[0] >= 0.05
 
 
 def test_in_use_twice_then_success(serve: Callable[..., ScriptServer]) -> None:

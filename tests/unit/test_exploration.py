@@ -14,8 +14,10 @@ import pytest
 
 from tests.unit.fakes import make_rig
 from tests.unit.test_tuner import KV_RULE, LANDSCAPE, Perf, SimEngine, TunerRig, _wall
+from tunerd.commands import Commands
 from tunerd.config import ProbeConfig
 from tunerd.config.rules import parse_rules
+from tunerd.core.commands import Command
 from tunerd.core.states import EngineState
 from tunerd.engine.admin import CacheResetResult
 from tunerd.observe.probe import ProbeResult
@@ -428,6 +430,40 @@ def test_the_cache_reset_runs_only_idle_in_dev_mode_on_loopback(tmp_path: Path) 
     done = sim.rig.last("cache_reset.done")
     assert resets == [sim.rig.run.base_url] and done["attempts"] == 3
     assert done["before"]["kv_cache.usage"] == 0.4 and done["after"]["kv_cache.usage"] == 0.0
+    assert done["trigger"] == "cron"
+
+
+def test_tunerd_cache_reset_runs_the_same_reset_now_with_the_same_checks(tmp_path: Path) -> None:
+    sim = make_explorer(tmp_path)
+    resets: list[str] = []
+
+    def reset(base_url: str, **kwargs: Any) -> CacheResetResult:
+        resets.append(base_url)
+        assert kwargs == {"retries": 5, "retry_after_s": 10.0}  # [cache_reset]'s, as the cron's
+        return CacheResetResult(True, 2, 'HTTP 200 {"success": true}', 0.5)
+
+    cache = CacheReset(
+        sim.rig.config, sim.rig.lifecycle, recorder=sim.rig.recorder, submit=run_here, reset=reset
+    )
+    signals = {"requests.running": 1.0, "requests.waiting": 0.0, "kv_cache.usage": 0.4}
+    commands = Commands(
+        sim.rig.lifecycle, sim.tuner, sim.prober, lambda: None, recorder=sim.rig.recorder, submit=run_here,
+        cache_reset=lambda trigger: cache.due(signals, trigger),
+    )  # fmt: skip
+    commands.run(Command("cache-reset", reason="operator token 1"))  # no dev mode (and no cron at all)
+    skipped = sim.rig.last("cache_reset.skipped")
+    assert "VLLM_SERVER_DEV_MODE" in skipped["reason"] and skipped["trigger"] == "operator token 1"
+    cache.config = sim.rig.config.model_copy(
+        update={"engine": sim.rig.config.engine.model_copy(update={"env": {"VLLM_SERVER_DEV_MODE": "1"}})}
+    )
+    commands.run(Command("cache-reset", reason="operator token 2"))  # a request running: not idle
+    skipped = sim.rig.last("cache_reset.skipped")
+    assert (skipped["reason"], skipped["trigger"]) == ("vLLM is not idle", "operator token 2") and not resets
+    signals["requests.running"] = 0.0
+    commands.run(Command("cache-reset", reason="operator token 3"))
+    cache.step(signals)
+    done = sim.rig.last("cache_reset.done")
+    assert resets == [sim.rig.run.base_url] and (done["attempts"], done["trigger"]) == (2, "operator token 3")
 
 
 def test_a_maintenance_window_starts_one_exploration_per_opening(tmp_path: Path) -> None:

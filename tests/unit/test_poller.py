@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tunerd.faces.http import SHUTDOWN_POLL_S  # shutdown() waits up to one poll
 from tunerd.observe.gpu import GpuSample
 from tunerd.observe.poller import Poller, PollTarget
 from tunerd.observe.vllm_metrics import extract
@@ -63,7 +64,7 @@ def vllm() -> Iterator[ThreadingHTTPServer]:
     httpd.asked = []  # type: ignore[attr-defined]
     httpd.peers = []  # type: ignore[attr-defined]
     httpd.filtering = True  # type: ignore[attr-defined]
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread = threading.Thread(target=httpd.serve_forever, args=(SHUTDOWN_POLL_S,), daemon=True)
     thread.start()
     yield httpd
     httpd.shutdown()

@@ -27,6 +27,7 @@ from tunerd.cli.probe import compare_with_baseline
 from tunerd.cli.status import probe_line
 from tunerd.config import ProbeConfig
 from tunerd.core.signal_catalog import SIGNAL_NAMES
+from tunerd.faces.http import SHUTDOWN_POLL_S  # shutdown() waits up to one poll
 from tunerd.observe.probe import (
     FIRST_TOKEN_ID,
     RequestOutcome,
@@ -138,7 +139,7 @@ class FakeServer:
 
         self.httpd = _Server(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(SHUTDOWN_POLL_S,), daemon=True)
         self.thread.start()
 
     def close(self) -> None:

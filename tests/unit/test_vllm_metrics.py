@@ -373,13 +373,19 @@ def scrape_with(handler, **kwargs) -> ScrapeResult:
 def test_scrape_ok_returns_the_extracted_sample() -> None:
     seen: list[httpx.Request] = []
 
+    held: list[float] = []
+
     def handler(request: httpx.Request) -> httpx.Response:
+        received = time.perf_counter()
         seen.append(request)
+        time.sleep(0.05)  # the known delay, not a synchronisation
+        held.append(time.perf_counter() - received)
         return httpx.Response(200, text=P03)
 
     result = scrape_with(handler)
     assert result.error is None and result.sample == extract(P03)
-    assert result.body_bytes == len(P03.encode()) and result.seconds >= 0
+    # The scrape's duration contains the handler's (both on perf_counter): it asked before, read after.
+    assert result.body_bytes == len(P03.encode()) and result.seconds >= held[0] >= 0.05
     assert seen[0].url.path == "/metrics" and seen[0].headers["accept-encoding"] == "identity"
 
 

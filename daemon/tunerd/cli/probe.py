@@ -1,9 +1,11 @@
-"""`tunerd probe` and `tunerd explore`: the benchmark probe and the exploration, for operators.
+"""`tunerd probe`, `tunerd explore` and `tunerd cache-reset`: the benchmark probe, the exploration and
+the prefix-cache reset, for operators.
 
-Both ask the running daemon over the operator socket, then read the journal for what it did: the
+Each asks the running daemon over the operator socket, then reads the journal for what it did: the
 probe's `probe.result` (or why it did not run), the exploration's plan (`explore.started`), each point
-(`explore.point`, and the restart before it) and its end (`explore.finished`). A request carries a
-token as its reason, so the records that answer it are told from any others.
+(`explore.point`, and the restart before it) and its end (`explore.finished`), the reset's
+`cache_reset.done` / `.failed` / `.skipped`. A request carries a token as its reason, so the records
+that answer it are told from any others.
 """
 
 from __future__ import annotations
@@ -38,6 +40,14 @@ def add_commands(sub: Any, config_option: Callable[[argparse.ArgumentParser], No
     explore.add_argument("params", help="PARAM[,PARAM…], e.g. max_num_seqs,block_size")
     explore.add_argument("--no-follow", action="store_true", help="start it and return (tunerd journal -f)")
     explore.set_defaults(func=cmd_explore)
+
+    reset = sub.add_parser(
+        "cache-reset",
+        help="reset vLLM's prefix cache now ([cache_reset]'s checks and retries; dev mode, idle vLLM)",
+    )
+    config_option(reset)
+    reset.add_argument("--json", action="store_true", help="the cache_reset record as JSON")
+    reset.set_defaults(func=cmd_cache_reset)
 
 
 def _token(command: str) -> str:
@@ -268,3 +278,64 @@ def _rate(value: Any, excess: Any = None) -> str:
     if excess is not None:
         return f"infeasible ({excess:.2f}× its latency limit)"
     return "infeasible (failed or over a latency limit)"
+
+
+# -- tunerd cache-reset --------------------------------------------------------------------------------
+
+
+def cache_reset_bound_s(retries: int, retry_after_s: float) -> float:
+    """How long `tunerd cache-reset` waits for its record: every attempt may take the reset's whole
+    timeout, with the retry delays between them, plus the journal's margin."""
+    from tunerd.engine.admin import RESET_TIMEOUT
+
+    attempt_s = (RESET_TIMEOUT.connect or 0.0) + (RESET_TIMEOUT.read or 0.0)
+    return (retries + 1) * attempt_s + retries * retry_after_s + PROBE_EXTRA_S
+
+
+def cache_reset_answer(record: Record) -> tuple[str, int]:
+    """A `cache_reset.*` record as (the line to print, the exit code): 0 only when vLLM reset it."""
+    event = record.get("event")
+    if event == "cache_reset.skipped":
+        return f"tunerd cache-reset: it did not run: {record.get('reason')}", 1
+    if event == "cache_reset.failed":
+        return (
+            f"tunerd cache-reset: failed after {record.get('attempts')} attempts: {record.get('detail')}",
+            1,
+        )
+    before, after = record.get("before") or {}, record.get("after") or {}
+    figures = [
+        f"{name} {before.get(name)} → {after.get(name)}"
+        for name in ("kv_cache.usage", "host.mem_available_bytes", "prefix_cache.hit_ratio")
+        if before.get(name) is not None or after.get(name) is not None
+    ]
+    attempts = record.get("attempts")
+    line = f"cache reset: done ({attempts} attempt{'s' if attempts != 1 else ''}, {record.get('seconds')} s)"
+    return line + (f"; {', '.join(figures)}" if figures else ""), 0
+
+
+def cmd_cache_reset(args: argparse.Namespace) -> int:
+    from tunerd.cli.common import EX_CONFIG, load_or_report
+    from tunerd.cli.journal import journal_size
+    from tunerd.config import default_config_path
+
+    config = load_or_report(args.config or default_config_path())
+    if config is None:
+        return EX_CONFIG
+    token = _token("cache-reset")
+    journal = str(config.paths.journal_path)
+    offset = journal_size(journal)
+    posted = _post(args, "/cache-reset", {"reason": token})
+    if isinstance(posted, int):
+        return posted
+    bound = cache_reset_bound_s(config.cache_reset.retries, config.cache_reset.retry_after_s)
+    for record in _records_until(journal, offset, time.monotonic() + bound):
+        if record.get("trigger") != token or not str(record.get("event")).startswith("cache_reset."):
+            continue
+        line, code = cache_reset_answer(record)
+        if args.json:
+            print(json.dumps(record))
+        else:
+            print(line, file=sys.stdout if code == 0 else sys.stderr)
+        return code
+    print(f"tunerd cache-reset: no answer within {bound:.0f} s; see `tunerd journal`", file=sys.stderr)
+    return 1

@@ -17,6 +17,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tunerd.records.metrics import Metrics
 
 REQUEST_TIMEOUT_S = 5.0  # a client that stops sending holds a handler thread this long at most
+# How often a serving loop checks for shutdown(): stop() waits up to this long. socketserver's default is
+# 0.5 s, which every daemon stop (and every test's teardown) paid in full.
+SHUTDOWN_POLL_S = 0.05
 
 
 class QuietHandler(BaseHTTPRequestHandler):
@@ -49,7 +52,9 @@ class Exporter:
         self._snapshot: dict[str, Any] = {}
         self._server = ThreadingHTTPServer((host, port), self._handler_class())
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="tunerd-http", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, args=(SHUTDOWN_POLL_S,), name="tunerd-http", daemon=True
+        )
 
     @property
     def address(self) -> tuple[str, int]:

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 
 from tunerd.core.commands import COMMANDS, Command
-from tunerd.faces.http import QuietHandler
+from tunerd.faces.http import SHUTDOWN_POLL_S, QuietHandler
 
 MAX_BODY = 64 * 1024
 SOCKET_MODE = 0o660
@@ -92,7 +92,7 @@ class OperatorSocket:
         self._server = _UnixHTTPServer(path, self._handler_class())
         os.chmod(path, SOCKET_MODE)
         self._thread = threading.Thread(
-            target=self._server.serve_forever, name="tunerd-operator", daemon=True
+            target=self._server.serve_forever, args=(SHUTDOWN_POLL_S,), name="tunerd-operator", daemon=True
         )
 
     def start(self) -> None:

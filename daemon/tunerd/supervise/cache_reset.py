@@ -5,6 +5,10 @@ dev mode (`VLLM_SERVER_DEV_MODE=1`, without which vLLM does not serve `POST /res
 a loopback host (dev endpoints have no authentication: tunerd refuses otherwise, and says so). Then a
 worker job resets it, retrying while vLLM answers that blocks are in use, and the journal gets the
 memory figures before and after. A reset that may not run now is journaled as skipped, with why.
+
+`tunerd cache-reset` asks for the same reset now, through the same checks, retries and journal events;
+each record names its `trigger` ("cron", or the operator's token), so the CLI finds the one that answers
+it.
 """
 
 from __future__ import annotations
@@ -37,19 +41,19 @@ class CacheReset:
         self.rec = recorder
         self.submit = submit
         self.reset = reset  # engine.admin.reset_prefix_cache; a stand-in in the in-process tests
-        self.running: tuple[Future[CacheResetResult], dict[str, float | None]] | None = None
+        self.running: tuple[Future[CacheResetResult], dict[str, float | None], str] | None = None
 
-    def due(self, signals: Mapping[str, float | None]) -> None:
-        """The cron time came: reset now, or journal why not."""
+    def due(self, signals: Mapping[str, float | None], trigger: str = "cron") -> None:
+        """The cron time came, or an operator asked (`trigger`): reset now, or journal why not."""
         why = self._why_not(signals)
         if why is not None:
-            self.rec.record("cache_reset.skipped", reason=why)
+            self.rec.record("cache_reset.skipped", reason=why, trigger=trigger)
             return
         run = self.life.engine.run
         assert run is not None
         cfg, base_url, reset = self.config.cache_reset, run.base_url, self.reset
         job = self.submit(lambda: reset(base_url, retries=cfg.retries, retry_after_s=cfg.retry_after_s))
-        self.running = (job, {name: signals.get(name) for name in FIGURES})
+        self.running = (job, {name: signals.get(name) for name in FIGURES}, trigger)
 
     def _why_not(self, signals: Mapping[str, float | None]) -> str | None:
         if self.running is not None:
@@ -71,12 +75,12 @@ class CacheReset:
         """Journal a finished reset with the figures before and after (every loop tick)."""
         if self.running is None or not self.running[0].done():
             return
-        job, before = self.running
+        job, before, trigger = self.running
         self.running = None
         try:
             result = job.result()
         except Exception as exc:  # the client never raises; a bug in it must not take the loop down
-            self.rec.record("cache_reset.failed", detail=f"{type(exc).__name__}: {exc}")
+            self.rec.record("cache_reset.failed", detail=f"{type(exc).__name__}: {exc}", trigger=trigger)
             return
         after = {name: signals.get(name) for name in FIGURES}
         self.rec.record(
@@ -86,4 +90,5 @@ class CacheReset:
             seconds=round(result.seconds, 3),
             before=before,
             after=after,
+            trigger=trigger,
         )
