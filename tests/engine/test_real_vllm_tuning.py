@@ -116,7 +116,7 @@ def test_kv_pressure_is_tuned_one_verified_step_at_a_time_and_the_loop_stops(
         # read once no trial is in flight.
         wait_until(lambda: daemon.status()["tuning"]["trial"] is None, 600, "the last revert to finish")
         trials = decided(daemon)
-        assert trials, daemon.dump()
+        assert trials[0] == first and all(t["rule"] == "kv-cache-pressure" for t in trials), daemon.dump()
         tolerance = 0.05
         kept = [t for t in trials if t["decision"] == "kept"]
         lost = [t for t in trials if t["decision"] != "kept"]
