@@ -33,6 +33,12 @@ action = { kind = "step", param = "max_num_seqs", direction = "down", factor = 0
 PRESSURE = {"running": 11, "waiting": 4, "kv_cache_usage": 0.95, "tokens_per_s": 300, "preemptions_per_s": 2}
 
 
+# The fake's 300 tok/s read as a counter's rate over a 4 s window (docs/signals.md) moves by a few per
+# cent with the polls' timing on a busy box (322.6 → 300.5 once): a wide tolerance keeps the objective
+# out of the verdicts here, whose path is a condition that did not ease.
+LOOSE = {"tolerance": 0.2}
+
+
 def tuning_sections(workdir: Path, rules: str = KV_RULE, **tuning: Any) -> dict:
     """The fake vLLM under the pressure of the control file, fast windows, rules beside the config."""
     ctl = workdir / "control.json"
@@ -48,7 +54,7 @@ def tuning_sections(workdir: Path, rules: str = KV_RULE, **tuning: Any) -> dict:
             "max_num_seqs": 16,
         },
         observe={"poll_interval_s": 0.5, "window_s": 3.0},
-        tuning={"warmup_s": 1.0, "window_s": 4.0, "max_extend_s": 2.0, "min_serving_s": 0.0, **tuning},
+        tuning={"warmup_s": 1.0, "window_s": 4.0, "max_extend_s": 2.0, "min_serving_s": 0.0} | LOOSE | tuning,
     )
 
 

@@ -6,13 +6,16 @@ from __future__ import annotations
 import math
 import random
 import statistics
+from dataclasses import replace
 from typing import Any, Literal
 
 import pytest
 
 from tunerd.config import TuningConfig
 from tunerd.core.engine_sample import EngineSample, Histogram
+from tunerd.core.signal_window import SignalWindow
 from tunerd.policy.evidence import (
+    WINDOW_SIGNALS,
     Point,
     Spread,
     WindowStats,
@@ -20,6 +23,7 @@ from tunerd.policy.evidence import (
     ratio_interval,
     signal_values,
     spread,
+    window_signals,
     window_stats,
 )
 from tunerd.policy.verdict import Verdict, judge
@@ -165,6 +169,51 @@ def test_a_counter_reset_inside_a_window_is_not_counted_as_negative_throughput()
     assert s.throughput.median == pytest.approx(100.0)
 
 
+def queue_building_up(polls: int = 31) -> list[Point]:
+    """Polls where the last value and the window's mean disagree (the queue builds up at the end), and
+    the per-poll throughput's median differs from the counter's rate (one burst), with host readings."""
+    series = points(polls=polls, noise=0.0)
+    out = []
+    for i, p in enumerate(series):
+        assert p.sample is not None
+        burst = 2000.0 * max(0, i - (polls - 3))  # 2000 tokens more in each of the last two intervals
+        sample = replace(
+            p.sample,
+            requests_waiting=12.0 if i == polls - 1 else 0.0,
+            generation_tokens_total=p.sample.generation_tokens_total + burst,
+        )
+        readings = {"host.mem_available_bytes": 4e9 - i * 1e8, "host.mem_total_bytes": 8e9}
+        out.append(Point(p.t, sample, readings))
+    return out
+
+
+def test_a_window_computes_every_signal_as_the_rules_window_does() -> None:
+    # Issue 20: one definition per name. The trial's windows replay the rules' own SignalWindow.
+    series = queue_building_up()
+    live = SignalWindow(30.0)
+    for p in series:
+        live.add(p.t, p.sample, p.readings)
+    replayed = window_signals(series, series[0].t, series[-1].t)
+    assert replayed == {name: live.signals()[name] for name in WINDOW_SIGNALS}
+    s = window_stats(series, series[0].t, series[-1].t, max_num_seqs=None, saturated_waiting=0.5)
+    assert s is not None and s.signals() == replayed
+    assert replayed["memory.used_ratio"] == pytest.approx(0.875)  # the host readings, latest poll
+
+
+def test_a_window_reads_each_name_as_the_rules_do_where_last_and_mean_differ() -> None:
+    # Issue 20: the verdict's window said `requests.waiting` was the mean and `throughput.generation` the
+    # per-poll median; the rules read the last value and the counter's rate.
+    series = queue_building_up()
+    s = window_stats(series, series[0].t, series[-1].t, max_num_seqs=None, saturated_waiting=0.5)
+    assert s is not None
+    values = s.signals()
+    assert values["requests.waiting"] == 12.0  # the last poll's
+    assert values["requests.waiting_avg"] == pytest.approx(12.0 / 31) == s.waiting_avg
+    assert values["requests.waiting_max"] == 12.0
+    assert s.throughput.median == pytest.approx(100.0)  # the per-poll spread, for the bootstrap
+    assert values["throughput.generation"] == pytest.approx((3000.0 + 4000.0) / 30.0)  # the counter's rate
+
+
 def test_spread_is_the_median_and_quartiles() -> None:
     assert spread([5.0, 1.0, 3.0, 2.0, 4.0]) == Spread(3.0, 2.0, 4.0, 5)
 
@@ -175,10 +224,13 @@ def test_spread_of_one_value_is_that_value() -> None:
 
 
 def test_signal_values_complete_the_window_with_live_signals() -> None:
-    values = signal_values(saturated(), {"memory.used_ratio": 0.4, "throughput.generation": 1.0})
-    assert values["memory.used_ratio"] == 0.4
+    live = {"probe.throughput": 900.0, "memory.used_ratio": 0.4, "throughput.generation": 1.0}
+    values = signal_values(saturated().signals(), live)
+    assert values["probe.throughput"] == 900.0  # no window computes the probe's figures
     assert values["throughput.generation"] == pytest.approx(100.0)  # the window's figure wins
     assert values["itl.p95"] == pytest.approx(0.0295)
+    # The window computes memory too (from the polls' readings; none here): unknown, not the live value.
+    assert values["memory.used_ratio"] is None
 
 
 def test_signal_values_without_a_window_are_the_live_signals() -> None:

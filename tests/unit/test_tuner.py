@@ -8,7 +8,7 @@ vLLM through the normal start path, the after window decides, the journal tells 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -408,3 +408,43 @@ def test_a_trial_decided_on_latency_names_its_objective_in_the_journal_and_the_m
     assert (entry.objective_name, entry.objective_unit, entry.objective_source) == ("itl.p95", "s", "live")
     assert entry.objective == first["objective_after"] and entry.decision == "keep"
     assert entry.figures["objective_before"] == first["objective_before"]  # seconds too, not tok/s
+
+
+@dataclass
+class QueueFromStart(SimEngine):
+    """Requests queue up 30 s after each start (12 waiting from then on): once they do, the last poll's
+    queue is far longer than the window's average, so the last value and the mean disagree."""
+
+    run_start: float = 0.0
+
+    def sample(self, run_id: int, params: EngineParams, now: float) -> EngineSample:
+        new_run = run_id != self.run_id
+        sample = super().sample(run_id, params, now)
+        if new_run:
+            self.run_start = now
+        return replace(sample, requests_waiting=12.0 if now - self.run_start >= 30 else 0.0)
+
+
+def test_eased_reads_the_statistic_the_rule_fired_on(tmp_path: Path) -> None:
+    # Issue 20: the rules read `requests.waiting` as the last poll's value, the trial's `eased` as the
+    # window's mean. A rule that fired on the last value (12 > 10) was judged on the mean (about 2: "no
+    # longer holds") and the change was kept as having eased the queue, though the after window repeats
+    # the before window's samples: the same queue at the same age of the run, the change did nothing.
+    same = Perf(2000.0, 0.0, 0.5)
+    queue = {
+        "name": "queue",
+        "all": ["requests.waiting > 10"],
+        "for_s": 2,
+        "cooldown_s": 600,
+        "purpose": "safety",
+        "action": {"kind": "step", "param": "max_num_seqs", "direction": "up", "factor": 2},
+    }
+    sim = make_tuner(tmp_path, rules=[queue], landscape={32: same, 64: same})
+    sim.engine = QueueFromStart(sim.engine.landscape)
+    sim.run_until(lambda: len(sim.decided()) >= 1 and sim.tuner.trial is None)
+    (fired,) = sim.rig.records("rule.fired")[:1]
+    assert fired["terms"][0]["value"] > 10  # the last value fired it
+    first = sim.decided()[0]
+    assert (first["old"], first["new"]) == (32, 64)
+    assert first["before"]["waiting_avg"] < 10  # the mean never held
+    assert (first["decision"], first["reason"]) == ("reverted", "the safety condition did not ease")

@@ -1,6 +1,6 @@
 """What one scrape of vLLM's /metrics says: the families tunerd reads, aggregated over series.
 
-Built by `tunerd.observe.vllm_metrics`; read by the signal window (observe/signals.py) and by the
+Built by `tunerd.observe.vllm_metrics`; read by the signal window (core/signal_window.py) and by the
 trial evidence (policy/evidence.py), which compute rates and quantiles from two samples' difference.
 `histogram_quantile` is Prometheus' own interpolation.
 """

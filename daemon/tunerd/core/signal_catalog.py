@@ -1,7 +1,8 @@
 """The published list of signals: name, unit, kind, source, how each is computed (docs/signals.md).
 
-Rules refer to signals by these names; `SignalWindow` (observe/signals.py) computes them. The table is the one
-source of truth: docs/signals.md embeds `signals_markdown()`, and a test keeps the two equal.
+Rules refer to signals by these names; `SignalWindow` (core/signal_window.py) computes them, for the
+rules' live window and for a trial's windows alike (one definition per name). The table is the one source
+of truth: docs/signals.md embeds `signals_markdown()`, and a test keeps the two equal.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ SIGNAL_TABLE: tuple[tuple[str, str, str, object, str, str], ...] = (
     ("requests.running", "requests", "last", "vllm.requests_running", _RUN, "requests in the batch, latest"),
     ("requests.running_avg", "requests", "avg", "vllm.requests_running", _RUN, "mean over the window"),
     ("requests.waiting", "requests", "last", "vllm.requests_waiting", _WAIT, "requests queued, latest"),
+    ("requests.waiting_avg", "requests", "avg", "vllm.requests_waiting", _WAIT, "mean over the window"),
     ("requests.waiting_max", "requests", "max", "vllm.requests_waiting", _WAIT, "max over the window"),
     ("requests.completed_rate", "1/s", "rate", "vllm.e2e_latency", "vllm:e2e_request_latency_seconds",
      "requests finished per second (increase of the +Inf bucket)"),

@@ -2,10 +2,14 @@
 
 A trial compares like with like: *before* is the window that fired the rule, *after* a window of the
 same length under the new flags, each of one engine run only (never a rolling window that straddles the
-restart). Per-second throughput (the increase of `vllm:generation_tokens_total` between consecutive
-polls) gives a robust statistic with its spread — median and quartiles — and the samples a bootstrap
-resamples; latency quantiles come from the histograms' increase over the whole window, as Prometheus'
-`histogram_quantile` of a `rate()` would give them.
+restart).
+
+Every named figure of a window (docs/signals.md) is computed by `SignalWindow` (core/signal_window.py),
+the code that computes the rules' live signals, replayed over the window's polls (`window_signals`):
+`requests.waiting` is the last poll's value here as it is for a rule, `throughput.generation` the
+counter's increase per second. What the verdict needs beside them is computed here: the per-poll
+throughput (the increase of `vllm:generation_tokens_total` between consecutive polls) gives a spread —
+median and quartiles — and the samples a bootstrap resamples; per-request sizes compare the offered load.
 """
 
 from __future__ import annotations
@@ -13,18 +17,38 @@ from __future__ import annotations
 import random
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 
-from tunerd.core.engine_sample import EngineSample, Histogram, histogram_quantile
+from tunerd.core.engine_sample import EngineSample
+from tunerd.core.signal_window import SIGNALS, SignalWindow
+
+# The names a window computes: every signal but the probe's figures (those are the last probe's, not
+# a window's).
+WINDOW_SIGNALS: tuple[str, ...] = tuple(s.name for s in SIGNALS if s.kind != "probe")
+_WINDOW_SIGNAL_SET = frozenset(WINDOW_SIGNALS)
 
 
 @dataclass(frozen=True, slots=True)
 class Point:
-    """One poll of the engine: monotonic time and what /metrics said."""
+    """One poll of the serving engine, as the rules' window was fed it (supervisor.py): monotonic time,
+    what /metrics said (None: the scrape failed) and the host/GPU readings by name."""
 
     t: float
-    sample: EngineSample
+    sample: EngineSample | None
+    readings: Mapping[str, float | None] = field(default_factory=dict)
+
+
+def window_signals(points: Sequence[Point], start: float, end: float) -> dict[str, float | None]:
+    """Every window signal of docs/signals.md (`WINDOW_SIGNALS`) over the points with
+    `start <= t <= end` (in time order), computed by the rules' own `SignalWindow` fed exactly those
+    polls: one definition per name. No point in the window: every signal None."""
+    window = SignalWindow(end - start if end > start else 1.0)  # holds them all: nothing is evicted
+    for p in points:
+        if start <= p.t <= end:
+            window.add(p.t, p.sample, p.readings)
+    signals = window.signals()
+    return {name: signals[name] for name in WINDOW_SIGNALS}
 
 
 @dataclass(frozen=True)
@@ -47,7 +71,12 @@ class Spread:
 
 @dataclass(frozen=True)
 class WindowStats:
-    """What an engine did in one window. Rates per second; latencies in seconds; None: not known."""
+    """What an engine did in one window. Rates per second; latencies in seconds; None: not known.
+
+    `values` holds every window signal by name (`window_signals`); the fields named after a signal
+    (`prompt_rate` = `throughput.prompt`, `waiting_avg` = `requests.waiting_avg`, `ttft_p95` = `ttft.p95`,
+    ...) are read from it, so that the verdict's figures and the rules' are one statistic per name.
+    `throughput` and `throughput_samples` are the per-poll rates, for a spread and a bootstrap."""
 
     start: float
     end: float
@@ -69,30 +98,16 @@ class WindowStats:
     itl_p95: float | None
     e2e_p95: float | None
     saturated: bool
+    values: Mapping[str, float | None] = field(default_factory=dict)
 
     @property
     def seconds(self) -> float:
         return self.end - self.start
 
     def signals(self) -> dict[str, float | None]:
-        """The window's figures under the names of docs/signals.md (what rules' terms read)."""
-        return {
-            "throughput.generation": self.throughput.median,
-            "throughput.prompt": self.prompt_rate,
-            "requests.completed_rate": self.completed_rate,
-            "preemptions.rate": self.preemption_rate,
-            "requests.running_avg": self.running_avg,
-            "requests.running": self.running_avg,
-            "requests.waiting": self.waiting_avg,
-            "requests.waiting_max": self.waiting_max,
-            "kv_cache.usage": self.kv_usage_avg,
-            "kv_cache.usage_avg": self.kv_usage_avg,
-            "kv_cache.usage_max": self.kv_usage_max,
-            "ttft.p50": self.ttft_p50,
-            "ttft.p95": self.ttft_p95,
-            "itl.p95": self.itl_p95,
-            "e2e.p95": self.e2e_p95,
-        }
+        """The window's signals under the names of docs/signals.md (what rules' terms and the objective
+        read), each the statistic the rules' live window computes under that name."""
+        return dict(self.values)
 
     def as_dict(self) -> dict[str, object]:
         """The figures a journal record carries (rounded; the sample count says how much evidence)."""
@@ -129,56 +144,52 @@ def window_stats(
     saturated_kv_usage: float = 0.9,
 ) -> WindowStats | None:
     """The stats of the points with `start <= t <= end` (one run's, in time order), or None with fewer
-    than three polls or no token counter.
+    than three polls with a sample or no token counter. The window spans its first to its last poll
+    with a sample; its signals (`values`) are `window_signals` over that span, failed scrapes included.
 
     Saturated = the engine ran at its capacity, so that throughput measures it: requests waited on
     average at least `saturated_waiting`, or the batch ran full (running at 90 % of `max_num_seqs`), or
     the KV cache did (average usage at least `saturated_kv_usage`: memory, not the batch limit, bounds
     how many run — vLLM preempts rather than queues then).
     """
-    inside = [p for p in points if start <= p.t <= end]
+    inside = [p for p in points if start <= p.t <= end and p.sample is not None]
     if len(inside) < 3:
         return None
     first, last = inside[0], inside[-1]
-    seconds = last.t - first.t
-    if seconds <= 0:
+    if last.t - first.t <= 0:
         return None
     per_poll = _per_poll_rates(inside, "generation_tokens_total")
     if not per_poll:
         return None
-    running = _gauge(inside, "requests_running")
-    waiting = _gauge(inside, "requests_waiting")
-    kv = _gauge(inside, "kv_cache_usage")
-    completed = _histogram_increase(first.sample.e2e_latency, last.sample.e2e_latency)
-    completed_n = completed[1][-1] if completed else None
-    prompt = _increase(first.sample.prompt_tokens_total, last.sample.prompt_tokens_total)
-    generated = _increase(first.sample.generation_tokens_total, last.sample.generation_tokens_total)
-    running_avg = statistics.fmean(running) if running else None
-    waiting_avg = statistics.fmean(waiting) if waiting else None
+    v = window_signals(points, first.t, last.t)
+    running_avg, waiting_avg = v["requests.running_avg"], v["requests.waiting_avg"]
+    kv_avg = v["kv_cache.usage_avg"]
     full = max_num_seqs is not None and running_avg is not None and running_avg >= 0.9 * max_num_seqs
-    kv_avg = statistics.fmean(kv) if kv else None
     full = full or (kv_avg is not None and kv_avg >= saturated_kv_usage)
+    completed = v["requests.completed_rate"]
     return WindowStats(
         start=first.t,
         end=last.t,
         polls=len(inside),
         throughput=spread(per_poll),
         throughput_samples=tuple(per_poll),
-        prompt_rate=None if prompt is None else prompt / seconds,
-        completed_rate=None if completed_n is None else completed_n / seconds,
-        prompt_tokens_per_request=_per_request(prompt, completed_n),
-        generation_tokens_per_request=_per_request(generated, completed_n),
-        preemption_rate=_rate(first.sample.preemptions_total, last.sample.preemptions_total, seconds),
+        prompt_rate=v["throughput.prompt"],
+        completed_rate=completed,
+        # per-second increases over the same polls: their ratio is tokens per finished request
+        prompt_tokens_per_request=_per_request(v["throughput.prompt"], completed),
+        generation_tokens_per_request=_per_request(v["throughput.generation"], completed),
+        preemption_rate=v["preemptions.rate"],
         running_avg=running_avg,
         waiting_avg=waiting_avg,
-        waiting_max=max(waiting) if waiting else None,
+        waiting_max=v["requests.waiting_max"],
         kv_usage_avg=kv_avg,
-        kv_usage_max=max(kv) if kv else None,
-        ttft_p50=_quantile(first.sample.ttft, last.sample.ttft, 0.5),
-        ttft_p95=_quantile(first.sample.ttft, last.sample.ttft, 0.95),
-        itl_p95=_quantile(first.sample.inter_token_latency, last.sample.inter_token_latency, 0.95),
-        e2e_p95=_quantile(first.sample.e2e_latency, last.sample.e2e_latency, 0.95),
+        kv_usage_max=v["kv_cache.usage_max"],
+        ttft_p50=v["ttft.p50"],
+        ttft_p95=v["ttft.p95"],
+        itl_p95=v["itl.p95"],
+        e2e_p95=v["e2e.p95"],
         saturated=bool((waiting_avg is not None and waiting_avg >= saturated_waiting) or full),
+        values=v,
     )
 
 
@@ -211,52 +222,19 @@ def ratio_interval(
     return ratios[int(0.05 * len(ratios))], ratios[int(0.95 * len(ratios)) - 1]
 
 
-def _per_poll_rates(points: Sequence[Point], field: str) -> list[float]:
+def _per_poll_rates(points: Sequence[Point], name: str) -> list[float]:
+    """Per-second increases of the counter `name` between consecutive polls that have a sample."""
     rates = []
     for a, b in pairwise(points):
-        va, vb = getattr(a.sample, field), getattr(b.sample, field)
+        va, vb = getattr(a.sample, name), getattr(b.sample, name)
         if va is None or vb is None or b.t <= a.t or vb < va:  # a decrease is a reset: not this run
             continue
         rates.append((vb - va) / (b.t - a.t))
     return rates
 
 
-def _gauge(points: Sequence[Point], field: str) -> list[float]:
-    return [v for p in points if (v := getattr(p.sample, field)) is not None]
-
-
-def _increase(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None or b < a else b - a
-
-
-def _rate(a: float | None, b: float | None, seconds: float) -> float | None:
-    increase = _increase(a, b)
-    return None if increase is None else increase / seconds
-
-
 def _per_request(total: float | None, requests: float | None) -> float | None:
     return None if total is None or not requests else total / requests
-
-
-def _histogram_increase(
-    a: Histogram | None, b: Histogram | None
-) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
-    if a is None or b is None:
-        return None
-    les_a, les_b = tuple(le for le, _ in a.buckets), tuple(le for le, _ in b.buckets)
-    if les_a != les_b or not les_b:
-        return None
-    delta = tuple(cb - ca for (_, ca), (_, cb) in zip(a.buckets, b.buckets, strict=True))
-    if any(d < 0 for d in delta):
-        return None
-    return les_b, delta
-
-
-def _quantile(a: Histogram | None, b: Histogram | None, q: float) -> float | None:
-    increase = _histogram_increase(a, b)
-    if increase is None or increase[1][-1] <= 0:
-        return None
-    return histogram_quantile(q, increase[0], increase[1])
 
 
 def relative_change(before: float | None, after: float | None) -> float | None:
@@ -298,10 +276,15 @@ def _outstanding(stats: WindowStats) -> float | None:
     return stats.running_avg + stats.waiting_avg
 
 
-def signal_values(stats: WindowStats | None, live: Mapping[str, float | None]) -> dict[str, float | None]:
-    """A window's figures, completed by the live signals for what a window does not compute (memory,
-    swap, host figures): what a rule's terms are evaluated against after a trial."""
-    values = dict(live)
-    if stats is not None:
-        values.update(stats.signals())
+def signal_values(
+    window: Mapping[str, float | None] | None, live: Mapping[str, float | None]
+) -> dict[str, float | None]:
+    """A window's signals (`window_signals`), completed by the live figures that no window computes
+    (the probe's): what a rule's terms are evaluated against in a trial, and what a baseline records.
+    A name the window computes is the window's, None included (unknown in that window: a live value is
+    another window's statistic). No window: the live signals."""
+    if window is None:
+        return dict(live)
+    values = {name: value for name, value in live.items() if name not in _WINDOW_SIGNAL_SET}
+    values.update(window)
     return values

@@ -7,10 +7,10 @@ A value is a bare float everywhere else (the journal, the experience file), so i
 objective's name and unit and where it was measured (`Source`): tok/s and seconds never share a field
 without a name that says which.
 
-Adding an objective is one subclass here (name, unit, direction, the window statistic it reads — its
-sensor field in `policy/evidence.WindowStats` — and the probe's figure of it if there is one) plus its
-name among `TuningConfig.objective`'s choices (config cannot import policy; a unit test holds the two
-lists equal).
+Adding an objective is one subclass here (name, unit, direction, the window statistic it reads — a
+signal of `core/signal_catalog.py`, which every window computes — and the probe's figure of it if there
+is one) plus its name among `TuningConfig.objective`'s choices (config cannot import policy; a unit test
+holds the two lists equal).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from tunerd.core.states import EngineState
 
-# Signal units (observe/signals.py) → Prometheus base-unit suffixes (exporter naming conventions).
+# Signal units (core/signal_catalog.py) → Prometheus base-unit suffixes (exporter naming conventions).
 _UNIT_SUFFIX = {
     "ratio 0..1": "ratio",
     "1/0": "",

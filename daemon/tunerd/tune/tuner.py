@@ -35,7 +35,7 @@ from tunerd.core.states import EngineState
 from tunerd.engine.process import EngineRun
 from tunerd.observe.poller import PollSample
 from tunerd.observe.probe import ProbeResult
-from tunerd.policy.evidence import Point, WindowStats, signal_values, window_stats
+from tunerd.policy.evidence import Point, WindowStats, signal_values, window_signals, window_stats
 from tunerd.policy.gates import flip_flop, why_not_act
 from tunerd.policy.rules import RuleState, TermValue, eased, evaluate, term_value
 from tunerd.policy.tunables import NoProposal
@@ -198,9 +198,9 @@ class Tuner:
         if run.run_id != self.samples.run_id:
             self._new_run(run.run_id)
         scrape = sample.scrape
-        if scrape is not None and scrape.sample is not None:
+        if scrape is not None:  # the poll as the rules' window was fed it (a failed scrape too)
             points = self.samples.points
-            points.append(Point(now, scrape.sample))
+            points.append(Point(sample.taken_at, scrape.sample, sample.readings))
             horizon = 3 * self.config.tuning.window_s + self.config.tuning.max_extend_s + 60
             while points and points[0].t < now - horizon:
                 points.popleft()
@@ -224,6 +224,17 @@ class Tuner:
             saturated_waiting=self.config.tuning.saturated_waiting,
             saturated_kv_usage=self.config.tuning.saturated_kv_usage,
         )
+
+    def _rule_values(self, end: float, not_before: float = float("-inf")) -> dict[str, float | None]:
+        """The rules' window (`observe.window_s`) of the serving run, ending at its last poll at or before
+        `end` and reaching back no further than `not_before`, computed as the rules' live window computes
+        it (one definition per name; ending at the poll, as the live window does, so that at a firing it
+        is the very statistic the rule read), with the probe's figures from the live signals: what a
+        rule's terms are evaluated against in a trial, and what a baseline records."""
+        points = self.samples.points
+        last = next((p.t for p in reversed(points) if p.t <= end), end)
+        start = max(not_before, last - self.config.observe.window_s)
+        return signal_values(window_signals(points, start, last), self.live)
 
     def _settled(self, run: EngineRun, now: float) -> bool:
         """Past the warm-up and one whole signal window: the window holds this run only."""
@@ -322,7 +333,9 @@ class Tuner:
                 "hold live traffic only",
             )
             return
-        before_values = signal_values(before, self.live)
+        # The rule's terms before the change: its own window (`observe.window_s`) of this run, where
+        # it just fired; `eased` reads the same statistic over the same length after the change.
+        before_values = self._rule_values(now)
         if tuning.mode == "dry-run":
             self.rec.record(
                 "trial.proposed",
@@ -426,7 +439,9 @@ class Tuner:
         if after is None:
             verdict = Verdict("revert", "no evidence: too few samples in the after window")
         else:
-            after_values = signal_values(after, self.live)
+            # The rule's window at the end of the after window (never before its start: one run's
+            # polls, past the warm-up), as before_values was the rule's window where it fired.
+            after_values = self._rule_values(now, not_before=trial.window_start)
             terms_before = self._terms(rule, trial.before_values)
             terms_after = self._terms(rule, after_values)
             verdict = judge(
@@ -486,7 +501,9 @@ class Tuner:
             self.life.end_trial(keep=True, reason=trial.verdict.reason if trial.verdict else "kept")
         self.memory.kept(trial.trial_id, trial.rule.name, p.param, p.old, p.new)
         if after is not None:
-            self.memory.set_baseline(signal_values(after, self.live), f"trial {trial.trial_id} kept")
+            # The rule's window at the end of the after window: what relative terms will compare with.
+            values = self._rule_values(after.end, not_before=after.start)
+            self.memory.set_baseline(values, f"trial {trial.trial_id} kept")
             self._probe_for_baseline(f"trial {trial.trial_id} kept")
         self.metrics.trials.labels(outcome="kept").inc()
         self._end()
@@ -618,7 +635,6 @@ class Tuner:
             self._first_probe_baseline()
         if "throughput.generation" in baseline:
             return
-        stats = self._window(now - self.config.tuning.window_s, now)
-        if stats is None or not stats.completed_rate:
+        if not self.live.get("requests.completed_rate"):  # settled: the live window is this run's
             return
-        self.memory.set_baseline(signal_values(stats, self.live), "first window of serving", merge=True)
+        self.memory.set_baseline(self._rule_values(now), "first window of serving", merge=True)
