@@ -5,8 +5,9 @@
                                                 [--scenario startup-error|engine-kill]
 
 Target: a fatal line that vLLM prints while starting is journaled as `engine.failed` (classified) within
-2 s of the line (the tests check only that it is journaled from the line, before vLLM exits:
-tests/engine/test_real_vllm_start_failure.py, tests/integration/test_supervise_faults.py).
+2 s of the line (the tests check only that it is journaled from the line, before vLLM exits, on the
+fake's replay of the real capture: tests/integration/test_supervise_faults.py; `--real` here measures it
+on real vLLM).
 
 Scenarios, each run N times against a fresh `tunerd run` (the same harness the tests use):
 

@@ -15,6 +15,7 @@ start (measures how much the worker's RSS moves between identical starts). 11 st
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -268,6 +269,11 @@ def start_and_read(case: Case, model_dir: Path, log_path: Path, cache_dir: Path)
     finally:
         _kill_group(proc)
     outcome.seconds = time.monotonic() - started
+    return _read_figures(outcome, log_path, f"vLLM exited with {proc.returncode}")
+
+
+def _read_figures(outcome: StartOutcome, log_path: Path, no_figure: str) -> StartOutcome:
+    """Fill `outcome` with the KV size or the refusal's estimate from the start's log."""
     outcome.lines = log_path.read_text(errors="replace").splitlines()
     text = "\n".join(outcome.lines)
     if m := _KV_SIZE.search(text):
@@ -276,8 +282,63 @@ def start_and_read(case: Case, model_dir: Path, log_path: Path, cache_dir: Path)
         outcome.estimated_max_len = int(m.group(1))
     if outcome.kv_tokens is None and outcome.estimated_max_len is None and outcome.error is None:
         errors = [ln for ln in outcome.lines if "Error" in ln]
-        outcome.error = errors[-1] if errors else f"vLLM exited with {proc.returncode}"
+        outcome.error = errors[-1] if errors else no_figure
     return outcome
+
+
+# The flags that decide how vLLM sizes its KV cache (or refuses): a start with these equal, on a model of
+# the same shape, is the same start for the planner's comparison, whatever else its argv carries.
+SIZING_FLAGS = (
+    "--max-model-len",
+    "--max-num-seqs",
+    "--block-size",
+    "--kv-cache-memory-bytes",
+    "--gpu-memory-utilization",
+    "--dtype",
+)
+
+
+def sizing_flags(argv: Sequence[str]) -> dict[str, str]:
+    """The SIZING_FLAGS of a vLLM argv, with their values."""
+    return {flag: argv[i + 1] for i, flag in enumerate(argv[:-1]) if flag in SIZING_FLAGS}
+
+
+def shape_of(model_dir: Path) -> str | None:
+    """The name of the TinyShape whose model `model_dir` holds (from its config.json), or None."""
+    config = json.loads((model_dir / "config.json").read_text())
+    for shape in (SHAPE_A, SHAPE_B):
+        wanted = {
+            "num_hidden_layers": shape.layers,
+            "hidden_size": shape.hidden,
+            "num_attention_heads": shape.heads,
+            "num_key_value_heads": shape.kv_heads,
+            "head_dim": shape.head_dim,
+            "vocab_size": shape.vocab,
+        }
+        if all(config.get(key) == value for key, value in wanted.items()):
+            return shape.name
+    return None
+
+
+@dataclass(frozen=True)
+class LoggedStart:
+    """A vLLM start another test already made (tunerd's engine.spawned: its argv and log), kept so that a
+    case with the same sizing flags on a model of the same shape reads its figures instead of starting."""
+
+    model: Path
+    argv: tuple[str, ...]
+    log: Path
+
+    def serves(self, case: Case) -> bool:
+        return shape_of(self.model) == case.shape.name and sizing_flags(self.argv) == sizing_flags(
+            case.argv(self.model, 0)
+        )
+
+
+def read_logged(case: Case, start: LoggedStart) -> StartOutcome:
+    """The outcome of `case` read from the log of a start that `start.serves` it."""
+    outcome = StartOutcome(case, [], read_cpu_node_memory(), 0.0)
+    return _read_figures(outcome, start.log, "no KV size line in the logged start")
 
 
 def predict(case: Case, model: ModelInfo, facts: MemoryFacts, calibration: Calibration | None) -> PlanVerdict:
@@ -289,8 +350,10 @@ def run_all(
     workdir: Path,
     cases: Sequence[Case] = DEFAULT_CASES,
     log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True),
+    known: Sequence[LoggedStart] = (),
 ) -> list[CaseResult]:
-    """Run every case in order (one vLLM at a time) and compare each with the planner's prediction.
+    """Run every case in order (one vLLM at a time) and compare each with the planner's prediction. A case
+    that a start in `known` already made (`LoggedStart.serves`) is read from that start's log.
 
     The prediction for a case is made from the memory facts measured just before its start (and, for
     `util_predict`, from the calibration of the start named in `calibrated_by`), never from its own log.
@@ -304,8 +367,13 @@ def run_all(
             models[case.shape.name] = make_model(case.shape, workdir / "models")
             infos[case.shape.name] = load_model_info(models[case.shape.name])
         model_dir, info = models[case.shape.name], infos[case.shape.name]
-        log(f"[planner-vs-vllm] {case.name}: starting vLLM ...")
-        outcome = start_and_read(case, model_dir, workdir / "logs" / f"{case.name}.log", workdir / "cache")
+        if logged := next((start for start in known if start.serves(case)), None):
+            log(f"[planner-vs-vllm] {case.name}: read from {logged.log}")
+            outcome = read_logged(case, logged)
+        else:
+            log(f"[planner-vs-vllm] {case.name}: starting vLLM ...")
+            log_path = workdir / "logs" / f"{case.name}.log"
+            outcome = start_and_read(case, model_dir, log_path, workdir / "cache")
         calibration = calibrations.get(case.calibrated_by) if case.calibrated_by else None
         verdict = predict(case, info, outcome.facts, calibration)
         if case.kind == "refusal":

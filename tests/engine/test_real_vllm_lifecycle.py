@@ -1,9 +1,9 @@
-"""tunerd supervising real vLLM on the CPU: one daemon (and its vLLM) shared by the tests of this module.
+"""tunerd supervising real vLLM on the CPU, on the tiny daemon the engine tier shares (conftest.tiny_daemon).
 
-Start → RUNNING with vLLM's "KV cache size: N tokens" read; load and the signals it moves; SIGKILL of
-vLLM's engine core: noticed, the whole old tree reaped (the worker lingers ~2 s after the API server exits
-with 0), restarted; a tuning-style restart through the preflight; SIGTERM of the daemon: every process
-gone, exit 0.
+Start → RUNNING with vLLM's "KV cache size: N tokens" read; load and the signals it moves; a tuning-style
+restart through the preflight; SIGTERM of the daemon: every process gone, exit 0 (run after every other
+user of the shared daemon). The engine core killed and its whole old tree reaped is the door's test
+(test_real_vllm_door.py), under its clients' load.
 
 A vLLM start costs 45-90 s on a small CPU, so the tests share one daemon, but none depends on another:
 each passes alone and in any order. A test that needs RUNNING waits for it (a previous test may have left
@@ -15,45 +15,24 @@ only after the seq the test noted before acting. Parameters are whatever the pre
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.engine.conftest import real_sections
 from tests.harness import Daemon, alive
 from tunerd.procfs import processes as procfs
 
 pytestmark = pytest.mark.engine
 
 
-@pytest.fixture(scope="module")
-def daemon(
-    tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, vllm_cache: dict[str, str]
-) -> Iterator[Daemon]:
-    workdir = tmp_path_factory.mktemp("lifecycle")
-    daemon = Daemon(workdir, real_sections(tiny_model, vllm_cache, observe={"poll_interval_s": 0.25}))
-    daemon.start()
-    try:
-        yield daemon
-        if daemon.running:
-            assert daemon.stop(timeout=120) == 0, daemon.dump()
-        assert not daemon.marked_pids(), f"processes left behind: {daemon.marked_pids()}\n{daemon.dump()}"
-    finally:
-        daemon.cleanup()
-
-
-@pytest.fixture(autouse=True)
-def daemon_running(daemon: Daemon) -> Daemon:
-    """The shared daemon is running when a test begins (a test that SIGTERMs it leaves it stopped)."""
-    if not daemon.running:
-        daemon.start()
-    return daemon
+@pytest.fixture
+def daemon(tiny_daemon: Daemon) -> Daemon:
+    """The shared tiny daemon (conftest.tiny_daemon), running when a test begins."""
+    if not tiny_daemon.running:
+        tiny_daemon.start()
+    return tiny_daemon
 
 
 def vllm_url(daemon: Daemon) -> str:
@@ -126,34 +105,6 @@ def test_under_load_the_kv_cache_signal_passes_0_9_and_preemptions_are_counted(d
     assert peak is not None and peak > 0.9, f"the exported KV-cache peak is {peak}"
 
 
-def test_killing_the_engine_core_is_noticed_reaped_and_restarted(daemon: Daemon) -> None:
-    daemon.wait_state("RUNNING", timeout=400)
-    old_tree = daemon.marked_pids()
-    core = next(pid for pid in old_tree if getattr(procfs.read_stat(pid), "comm", "") == "VLLM::EngineCor")
-    api_server = daemon.status()["engine"]["pid"]
-    after = daemon.last_seq()
-    os.kill(core, signal.SIGKILL)
-
-    # Noticed from vLLM itself (its EngineDeadError lines, or its API server's exit with 0), not from
-    # failed health checks. How fast: bench/detection_latency.py --scenario engine-kill.
-    failed = daemon.wait_event("engine.failed", timeout=60, after_seq=after)
-    assert failed["failure"]["kind"] in ("engine_dead", "exited")
-    assert failed["pid"] == api_server and failed["phase"] == "running"
-    stopped = daemon.wait_event("engine.stopped", timeout=60, after_seq=after)
-    assert stopped["survivors"] == []
-    assert not [pid for pid in old_tree if alive(pid)], (
-        "no process of the old tree (worker included) survives"
-    )
-
-    retry = daemon.wait_record(lambda r: r["event"] == "intent" and r["action"] == "retry", after_seq=after)
-    daemon.wait_record(
-        lambda r: r["event"] == "outcome" and r["intent"] == retry["seq"] and r["result"] == "ok", timeout=400
-    )
-    new_tree = daemon.marked_pids()
-    assert new_tree and not set(new_tree) & set(old_tree)
-    daemon.wait_state("RUNNING", timeout=400)
-
-
 def test_tuning_style_restart_goes_through_the_preflight_and_memory_gate(daemon: Daemon) -> None:
     before = daemon.wait_state("RUNNING", timeout=400)["engine"]["params"].get("max_num_seqs")
     target = 8 if before != 8 else 12  # a change from whatever is in force: a trial
@@ -195,6 +146,7 @@ def test_tuning_style_restart_goes_through_the_preflight_and_memory_gate(daemon:
     print("\n".join(json.dumps(r) for r in daemon.records() if r["seq"] >= intent["seq"]))
 
 
+@pytest.mark.stops_tiny_daemon
 def test_sigterm_stops_vllm_and_every_process_of_its_tree(daemon: Daemon) -> None:
     daemon.wait_state("RUNNING", timeout=400)
     tree = daemon.marked_pids()

