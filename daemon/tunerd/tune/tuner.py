@@ -4,8 +4,8 @@ normal start path, decides keep or revert from like-with-like evidence, and tell
 A stateful peer of the lifecycle, driven by the main loop (`on_poll` every poll, `step` every tick); it
 asks the lifecycle for a change (`Lifecycle.request`, decided with `ChangeSlot.end`) and learns its
 outcome as a `ChangeEvent` the loop delivers (`on_change`). Every decision is pure and lives in
-`tunerd.policy`: rule evaluation (`rules`), the proposal (`tunables`), the gates (`gates`), the evidence
-(`evidence`) and the verdict (`verdict`).
+`tunerd.policy`: rule evaluation (`rules`), what a fired rule does (`fired`), the proposal (`tunables`),
+the gates (`gates`), the evidence (`evidence`) and the verdict (`verdict`).
 
 A trial, in order: the rule fired on the *before* window of the serving run → the planner is asked
 (a refused change costs no restart) → the intent is journaled and vLLM restarted with the one change →
@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import replace
 from datetime import datetime
+from functools import partial
 
 import structlog
 
@@ -37,9 +38,10 @@ from tunerd.engine.process import EngineRun
 from tunerd.observe.poller import PollSample
 from tunerd.observe.probe import ProbeResult
 from tunerd.policy.evidence import Point, WindowStats, signal_values, window_signals, window_stats
-from tunerd.policy.gates import flip_flop, why_not_act
+from tunerd.policy.fired import Act, Alert, Defer, Facts, Mute, decide
+from tunerd.policy.gates import window_open
 from tunerd.policy.rules import RuleState, TermValue, eased, evaluate, term_value
-from tunerd.policy.tunables import NoProposal
+from tunerd.policy.tunables import NoProposal, Proposal
 from tunerd.policy.verdict import Verdict, judge
 from tunerd.records.metrics import Metrics
 from tunerd.records.recorder import Recorder
@@ -281,63 +283,51 @@ class Tuner:
             action=rule.action.model_dump(),
         )
         log.info("rule.fired", rule=rule.name, terms=[str(t.term) for t in terms])
-        if rule.action.kind == "alert":
-            self.rec.record("rule.alert", rule=rule.name, why=rule.why)
-            log.warning("rule.alert", rule=rule.name, why=rule.why)
-            return
         tuning = self.config.tuning
         wall = self.wallclock()
         assert run.ready_mono is not None
-        blocked = why_not_act(
-            tuning=tuning,
+        facts = Facts(
             paused=self.paused,
-            trial_running=self.trial is not None,
-            budget_left=self.memory.budget(),
+            change_in_flight=self.trial is not None,
+            budget=self.memory.budget(),
             served_s=now - run.ready_mono,
-            now=wall.astimezone(),  # maintenance windows are in local time
+            window_open=window_open(tuning.maintenance, wall.astimezone()),  # windows are in local time
+            before=self._window(now - tuning.window_s, now),
+            kept=self.memory.kept_changes(),
+            probe_quiet_s=self.prober.quiet_for(now) if self.prober is not None else None,
         )
-        if blocked is not None:
-            self.rec.record("rule.deferred", rule=rule.name, reason=blocked)
-            return
-        before = self._window(now - tuning.window_s, now)
-        if before is None:
-            self.rec.record("rule.deferred", rule=rule.name, reason="not enough samples for a before window")
-            return
-        if self.recall is not None:  # what the memory knows to be bad under this load
+        propose = partial(self._propose, rule)  # asked at most once, past the gates
+        decision = decide(rule, state, facts, propose, tuning=tuning, now=now, now_wall=wall.timestamp())
+        if isinstance(decision, Alert):
+            extra = {"reason": decision.reason} if decision.reason is not None else {}
+            self.rec.record("rule.alert", rule=rule.name, why=rule.why, **extra)
+            log.warning("rule.alert", rule=rule.name, why=rule.why, **extra)
+        elif isinstance(decision, Defer):
+            if decision.state is not None:
+                self.states[rule.name] = decision.state
+            self.rec.record("rule.deferred", rule=rule.name, reason=decision.reason)
+        elif isinstance(decision, Mute):
+            if decision.exhausted is not None:
+                self.rec.record("rule.exhausted", rule=rule.name, reason=decision.exhausted)
+            self.memory.mute(rule.name, decision.reason)
+        else:
+            self._act(rule, decision, now)
+
+    def _propose(self, rule: Rule, before: WindowStats) -> Proposal | NoProposal:
+        """The proposer's change for `rule`, once what the memory knows to be bad under this load is tabu."""
+        if self.recall is not None:
             for param, value, why in self.recall.bad_values(before):
                 if (param, value) not in self.memory.tabu():
                     self.memory.add_tabu(param, value, f"tuning memory: {why}")
-        proposal = self.proposer.propose(rule, running=before.running_avg)
-        if isinstance(proposal, NoProposal) and rule.action.kind == "revert":
-            self.rec.record("rule.alert", rule=rule.name, why=rule.why, reason=proposal.reason)
-            log.warning("rule.alert", rule=rule.name, why=rule.why, reason=proposal.reason)
-            return
-        if isinstance(proposal, NoProposal):
-            self.rec.record("rule.exhausted", rule=rule.name, reason=proposal.reason)
-            self.memory.mute(rule.name, f"nothing further to try: {proposal.reason}")
-            return
-        flop = flip_flop(
-            proposal.param, proposal.new, self.memory.kept_changes(), wall.timestamp(), tuning.tabu_s
-        )
-        if flop is not None:
-            self.memory.mute(rule.name, flop)
-            return
-        quiet = self.prober.quiet_for(now) if self.prober is not None else None
-        if quiet is not None and quiet < tuning.window_s:
-            # Held, not spent: the rule fires again once the probe has left the before window, not a
-            # cooldown later (a probe rule fires right after its probe; its alert must not wait on this).
-            self.states[rule.name] = replace(state, cooldown_until=now + tuning.window_s - quiet)
-            self.rec.record(
-                "rule.deferred",
-                rule=rule.name,
-                reason=f"a probe ran {quiet:.0f} s ago: the before window ({tuning.window_s:g} s) must "
-                "hold live traffic only",
-            )
-            return
+        return self.proposer.propose(rule, running=before.running_avg)
+
+    def _act(self, rule: Rule, decision: Act, now: float) -> None:
+        """Run the decided proposal as a trial (in dry-run: journal it only)."""
+        proposal, before = decision.proposal, decision.before
         # The rule's terms before the change: its own window (`observe.window_s`) of this run, where
         # it just fired; `eased` reads the same statistic over the same length after the change.
         before_values = self._rule_values(now)
-        if tuning.mode == "dry-run":
+        if decision.dry_run:
             self.rec.record(
                 "trial.proposed",
                 rule=rule.name,
