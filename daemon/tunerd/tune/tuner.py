@@ -16,8 +16,8 @@ restarting: no planner, no restart, the same windows and verdict, a revert that 
 
 The second mode, exploration, is `explorer`'s (started by `explore_triggers`); the proposal is
 `proposer`'s; the probe is `prober`'s. Over 400 lines on purpose: one state machine (rules → proposal
-→ trial phases → verdict) that reads in order; its decisions are the policy modules', its memory is
-`tune.memory`'s.
+→ trial phases, checked against tune/experiment.py's table → verdict) that reads in order; its
+decisions are the policy modules', its memory is `tune.memory`'s.
 """
 
 from __future__ import annotations
@@ -49,13 +49,14 @@ from tunerd.records.state import DaemonState
 from tunerd.supervise.capacity import PlanOutcome
 from tunerd.supervise.change import ChangeEvent, Outcome
 from tunerd.supervise.lifecycle import Lifecycle
+from tunerd.tune.experiment import Phase, check
 from tunerd.tune.explore_triggers import ExploreTriggers
 from tunerd.tune.explorer import Explorer
 from tunerd.tune.memory import TuningMemory
 from tunerd.tune.prober import Prober
 from tunerd.tune.proposer import Proposer
 from tunerd.tune.recall import Recall
-from tunerd.tune.trials import LiveKnobs, Phase, RunSamples, Trial
+from tunerd.tune.trials import LiveKnobs, RunSamples, Trial
 
 log = structlog.get_logger("tunerd")
 
@@ -340,10 +341,11 @@ class Tuner:
             )
             return
         trial_id = self.memory.next_trial()
-        check = self.life.capacity.check
+        fits = self.life.capacity.check
         params = proposal.params
-        plan = None if proposal.live else self.submit(lambda: check(params))
-        self.trial = Trial(trial_id, rule, proposal, before, before_values, Phase.PLANNING, now, plan)
+        plan = None if proposal.live else self.submit(lambda: fits(params))
+        phase = check(Phase.NONE, Phase.PLANNING)
+        self.trial = Trial(trial_id, rule, proposal, before, before_values, phase, now, plan)
         self._publish_phase()
         if proposal.live:  # no restart, nothing for the planner: the change applies at once
             self._apply_live(self.trial, now)
@@ -366,9 +368,9 @@ class Tuner:
         if trial.phase is Phase.PLANNING and trial.plan is not None and trial.plan.done():
             self._planned(trial, now)
         elif trial.phase is Phase.WARMUP and now - trial.phase_since >= tuning.warmup_s:
-            self._enter(trial, Phase.EVALUATING, now)
+            self._enter(trial, Phase.MEASURING, now)
             trial.window_start = now
-        elif trial.phase is Phase.EVALUATING:
+        elif trial.phase is Phase.MEASURING:
             assert trial.window_start is not None
             length = tuning.window_s + (tuning.max_extend_s if trial.extended else 0.0)
             if now - trial.window_start >= length:
@@ -408,7 +410,7 @@ class Tuner:
             return
         self.memory.count_restart()
         self._publish_phase()
-        self._enter(trial, Phase.RESTARTING, now)
+        self._enter(trial, Phase.APPLYING, now)
 
     def _apply_live(self, trial: Trial, now: float) -> None:
         """A live knob's trial: the change now, on the running daemon; then warm-up and the after window
@@ -422,6 +424,7 @@ class Tuner:
             notes=list(p.notes),
             before=trial.before.as_dict(),
         )
+        self._enter(trial, Phase.APPLYING, now)
         self.knobs.set(p.param, p.new, f"trial {trial.trial_id} (rule {trial.rule.name})")
         self._enter(trial, Phase.WARMUP, now)
 
@@ -453,6 +456,7 @@ class Tuner:
             )
             return
         trial.verdict, trial.after = verdict, after
+        self._enter(trial, Phase.DECIDED, now)
         decision = "kept" if verdict.decision == "keep" else "reverted"
         self.rec.record(
             "trial.decided",
@@ -518,10 +522,13 @@ class Tuner:
         return tuple(term_value(term, values, self.memory.baseline, False, 0.0) for term in rule.terms)
 
     def _enter(self, trial: Trial, phase: Phase, now: float) -> None:
-        trial.phase, trial.phase_since = phase, now
+        """The trial's next phase, checked against tune/experiment.py's table."""
+        trial.phase, trial.phase_since = check(trial.phase, phase), now
         self._publish_phase()
 
     def _end(self) -> None:
+        if self.trial is not None:
+            check(self.trial.phase, Phase.NONE)
         self.trial = None
         self._publish_phase()
 
@@ -554,7 +561,7 @@ class Tuner:
         if trial is None or trial.change_id != event.change_id:
             return
         if event.outcome is Outcome.SERVING:
-            if trial.phase is Phase.RESTARTING:
+            if trial.phase is Phase.APPLYING:
                 self._enter(trial, Phase.WARMUP, event.at)
         elif event.outcome is Outcome.FAILED:
             assert event.failure is not None
