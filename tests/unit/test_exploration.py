@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,8 @@ from tunerd.records.state import DaemonState
 from tunerd.supervise.cache_reset import CacheReset
 from tunerd.supervise.capacity import PlanOutcome
 from tunerd.supervise.preflight import run_here
+from tunerd.tune import explorer as explorer_module
+from tunerd.tune.experiment import Phase, check
 from tunerd.tune.prober import Prober
 from tunerd.tune.recall import Recall
 from tunerd.tune.tuner import Tuner
@@ -275,6 +278,28 @@ def test_a_point_whose_start_fails_is_infeasible_tabu_and_the_search_goes_on(tmp
     assert finished["best"] == {"max_num_seqs": 23} and sim.params().max_num_seqs == 23
     bad = {(p, v) for p, v, _ in sim.tuner.recall.bad_values()}  # type: ignore[union-attr]
     assert ("max_num_seqs", 16) in bad  # the memory knows it for the next start
+
+
+def test_every_phase_an_exploration_takes_goes_through_the_experiment_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A search with a failed point: its phases are a walk of tune/experiment.py's table."""
+    seen: list[tuple[Phase, Phase]] = []
+
+    def recording(old: Phase, new: Phase) -> Phase:
+        seen.append((old, new))
+        return check(old, new)
+
+    monkeypatch.setattr(explorer_module, "check", recording)
+    sim = make_explorer(tmp_path)
+    sim.fail_starts = frozenset({16})
+    sim.explore("max_num_seqs")
+    p = Phase
+    assert seen[0] == (p.NONE, p.BASELINE) and seen[-1][1] is p.NONE
+    assert all(new is old_next for (_, new), (old_next, _) in pairwise(seen))
+    # the point at 16 failed to start: reverted, then the search goes on with the next point
+    assert (p.APPLYING, p.REVERTING) in seen and (p.REVERTING, p.PLANNING) in seen
+    assert seen[-1] == (p.DECIDED, p.NONE)  # the last point measured (23) is the best: no restart to it
 
 
 def test_from_a_start_over_the_latency_limit_the_search_walks_to_the_limit_and_past_it(

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from tests.unit.fakes import Rig, make_rig
 from tunerd.config.rules import RuleSet, parse_rules
@@ -23,6 +26,8 @@ from tunerd.observe.signals import SignalWindow
 from tunerd.observe.vllm_metrics import ScrapeResult
 from tunerd.records.experience import Experience
 from tunerd.supervise.capacity import PlanOutcome
+from tunerd.tune import tuner as tuner_module
+from tunerd.tune.experiment import check
 from tunerd.tune.recall import Recall
 from tunerd.tune.tuner import Phase, Tuner
 
@@ -266,6 +271,24 @@ def test_a_kept_step_that_clears_the_condition_resolves_the_rule_and_the_story_e
     assert "rule.exhausted" not in sim.rig.events()
 
 
+def test_every_phase_a_trial_takes_goes_through_the_experiment_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[tuple[Phase, Phase]] = []
+
+    def recording(old: Phase, new: Phase) -> Phase:
+        seen.append((old, new))
+        return check(old, new)
+
+    monkeypatch.setattr(tuner_module, "check", recording)
+    sim = make_tuner(tmp_path)
+    sim.run_until(lambda: len(sim.decided()) >= 1 and sim.tuner.trial is None)
+    p = Phase
+    walk = [(p.NONE, p.PLANNING), (p.PLANNING, p.APPLYING), (p.APPLYING, p.WARMUP), (p.WARMUP, p.MEASURING)]
+    assert seen[:5] == [*walk, (p.MEASURING, p.DECIDED)]
+    assert seen[-1][1] is p.NONE and all(new is old_next for (_, new), (old_next, _) in pairwise(seen))
+
+
 def test_the_journal_tells_the_trial_in_order(tmp_path: Path) -> None:
     sim = make_tuner(tmp_path)
     sim.run_until(lambda: len(sim.decided()) >= 1 and sim.tuner.trial is None)
@@ -285,7 +308,7 @@ def test_the_journal_tells_the_trial_in_order(tmp_path: Path) -> None:
 def test_a_trial_whose_start_fails_is_reverted_at_once_and_the_engine_serves_again(tmp_path: Path) -> None:
     sim = make_tuner(tmp_path)
     rig = sim.rig
-    sim.run_until(lambda: sim.tuner.trial is not None and sim.tuner.trial.phase is Phase.RESTARTING)
+    sim.run_until(lambda: sim.tuner.trial is not None and sim.tuner.trial.phase is Phase.APPLYING)
     sim.answer_health = False
     sim.run_until(lambda: rig.state is EngineState.STARTING)
     run = rig.lifecycle.engine.run
@@ -334,7 +357,7 @@ def test_pause_stops_rules_acting_and_survives_a_daemon_restart(tmp_path: Path) 
 
 def test_no_promotion_by_time_while_a_trial_runs(tmp_path: Path) -> None:
     sim = make_tuner(tmp_path)
-    sim.run_until(lambda: sim.tuner.trial is not None and sim.tuner.trial.phase is Phase.EVALUATING)
+    sim.run_until(lambda: sim.tuner.trial is not None and sim.tuner.trial.phase is Phase.MEASURING)
     sim.run_for(10)  # longer than backoff.known_good_after_s (5 s) into the trial's run
     assert sim.rig.lifecycle.known_good is not None
     assert sim.rig.lifecycle.known_good.max_num_seqs == 32
@@ -342,7 +365,7 @@ def test_no_promotion_by_time_while_a_trial_runs(tmp_path: Path) -> None:
 
 def test_an_operator_restart_during_a_trial_ends_it_as_aborted(tmp_path: Path) -> None:
     sim = make_tuner(tmp_path)
-    sim.run_until(lambda: sim.tuner.trial is not None and sim.tuner.trial.phase is Phase.EVALUATING)
+    sim.run_until(lambda: sim.tuner.trial is not None and sim.tuner.trial.phase is Phase.MEASURING)
     assert sim.rig.lifecycle.restart(EngineParams(max_num_seqs=24), "operator restart", action="change")
     sim.rig.deliver()  # the loop delivers the change's outcome (aborted) to the tuner
     aborted = sim.rig.last("trial.aborted")
@@ -354,7 +377,7 @@ def test_a_trial_aborted_in_the_lifecycle_is_not_decided_before_its_outcome_arri
     # The outcome comes back through the loop's queue: between the abort and its delivery, the tuner's
     # step must not judge (and keep or revert) a change the lifecycle no longer runs.
     sim = make_tuner(tmp_path)
-    sim.run_until(lambda: sim.tuner.trial is not None and sim.tuner.trial.phase is Phase.EVALUATING)
+    sim.run_until(lambda: sim.tuner.trial is not None and sim.tuner.trial.phase is Phase.MEASURING)
     assert sim.rig.lifecycle.restart(EngineParams(max_num_seqs=24), "operator restart", action="change")
     sim.rig.clock.advance(sim.rig.config.tuning.window_s + sim.rig.config.tuning.max_extend_s)
     sim.tuner.step(sim.now)  # the after window is over, the outcome not yet delivered
@@ -366,7 +389,7 @@ def test_a_trial_aborted_in_the_lifecycle_is_not_decided_before_its_outcome_arri
 
 def test_a_load_that_goes_away_makes_the_result_inconclusive_and_reverts(tmp_path: Path) -> None:
     sim = make_tuner(tmp_path)
-    sim.run_until(lambda: sim.tuner.trial is not None and sim.tuner.trial.phase is Phase.EVALUATING)
+    sim.run_until(lambda: sim.tuner.trial is not None and sim.tuner.trial.phase is Phase.MEASURING)
     sim.engine.load_factor = 0.3  # most clients left: the offered load is not the one measured before
     sim.run_until(lambda: bool(sim.decided()))
     decided = sim.decided()[0]

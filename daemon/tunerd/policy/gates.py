@@ -61,7 +61,29 @@ def why_not_act(
     served_s: float | None,
     now: datetime,
 ) -> str | None:
-    """Why a fired rule must not act now (it is journaled as deferred), or None when it may."""
+    """Why a fired rule must not act now (it is journaled as deferred), or None when it may. `now` (an
+    aware datetime) only answers whether a maintenance window is open (`why_not_act_at` takes that answer)."""
+    return why_not_act_at(
+        tuning=tuning,
+        paused=paused,
+        trial_running=trial_running,
+        budget_left=budget_left,
+        served_s=served_s,
+        window_open=window_open(tuning.maintenance, now),
+    )
+
+
+def why_not_act_at(
+    *,
+    tuning: TuningConfig,
+    paused: bool,
+    trial_running: bool,
+    budget_left: Budget,
+    served_s: float | None,
+    window_open: bool,
+) -> str | None:
+    """`why_not_act` with the maintenance windows' answer computed by the caller (`window_open`: no
+    windows, or `now` lies in one), so that the decision is a function of data alone."""
     if tuning.mode == "off":
         return "tuning.mode is off"
     if paused:
@@ -76,7 +98,7 @@ def why_not_act(
     if budget_left.left <= 0:
         per = f"{tuning.restarts_per_hour}/h, {tuning.restarts_per_day}/day"
         return f"restart budget spent ({per} of trial restarts)"
-    if not window_open(tuning.maintenance, now):
+    if not window_open:
         return "outside the maintenance windows"
     return None
 

@@ -96,7 +96,8 @@ class Metrics:
         )
         self.trial_phase = Gauge(
             "tunerd_trial_phase",
-            "Trial phase: 0=none, 1=planning, 2=restarting, 3=warm-up, 4=evaluating, 5=reverting",
+            "Trial phase (tune/experiment.py): 0=none, 1=planning, 2=applying (restarting), 3=warm-up, "
+            "4=measuring (the after window), 5=reverting",
             registry=r,
         )
         self.reload_ok.set(1)

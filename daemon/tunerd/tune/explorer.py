@@ -16,8 +16,9 @@ A recall is the one-point form: the best configuration the tuning memory knows f
 (a new deployment, an imported memory) is tried against the one in force, probe against probe, and kept
 only when it beats it by more than the tolerance; else reverted, and its values go tabu.
 
-Over 400 lines: one state machine (planning, restart, warm-up, measuring, finishing) whose steps both
-forms share; the search itself is pure, in policy/explore.py.
+Over 400 lines: one state machine (baseline, planning, applying, warm-up, measuring, decided, finishing,
+reverting: tune/experiment.py's phases, every change checked against its table) whose steps both forms
+share; the search itself is pure, in policy/explore.py.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from enum import IntEnum
 from typing import Any
 
 import structlog
@@ -44,6 +44,7 @@ from tunerd.supervise.capacity import PlanOutcome
 from tunerd.supervise.change import ChangeEvent, Outcome, Owner
 from tunerd.supervise.lifecycle import Lifecycle
 from tunerd.supervise.preflight import run_here
+from tunerd.tune.experiment import Phase, check
 from tunerd.tune.memory import TuningMemory
 from tunerd.tune.prober import Prober
 from tunerd.tune.recall import Recall
@@ -51,22 +52,12 @@ from tunerd.tune.recall import Recall
 log = structlog.get_logger("tunerd")
 
 
-class Step(IntEnum):
-    PLANNING = 0  # the planner is asked whether the point fits (a refused point costs no restart)
-    BASELINE = 1  # probing the configuration in force
-    RESTARTING = 2  # vLLM restarting with the point
-    WARMUP = 3
-    MEASURING = 4  # the probe runs on the point
-    FINISHING = 5  # restarting with the best point
-    REVERTING = 6  # a recall lost: restarting with the configuration before
-
-
 @dataclass
 class Exploration:
     explore_id: int
     params: tuple[str, ...]
     reason: str
-    step: Step
+    step: Phase  # tune/experiment.py's table; changed only through `Explorer._enter`
     since: float
     search: Search | None = None
     point: tuple[str, Value] | None = None
@@ -134,7 +125,12 @@ class Explorer:
             return "vLLM is not serving"
         explore_id = self.memory.next_trial()
         self.current = Exploration(
-            explore_id, tuple(params), reason, Step.BASELINE, self.monotonic(), recall=recall
+            explore_id,
+            tuple(params),
+            reason,
+            check(Phase.NONE, Phase.BASELINE),
+            self.monotonic(),
+            recall=recall,
         )
         self.life.slot.hold(self.current.owner)
         self.prober.request(f"exploration {explore_id}: the configuration in force", self._baseline)
@@ -229,9 +225,9 @@ class Explorer:
             return
         name, value = point
         params = self.life.params.replace(**{**ex.search.best, name: value})
-        ex.point, check = point, self.life.capacity.check
-        ex.plan = self.submit(lambda: check(params))
-        ex.step, ex.since = Step.PLANNING, now
+        ex.point, plan = point, self.life.capacity.check
+        ex.plan = self.submit(lambda: plan(params))
+        self._enter(ex, Phase.PLANNING, now)
 
     def _planned(self, ex: Exploration, now: float) -> None:
         """The planner's verdict on the point: refused — infeasible, tabu, no restart — or restart."""
@@ -243,6 +239,7 @@ class Explorer:
         ex.plan = None
         name, value = ex.point
         if refusal is not None:
+            self._enter(ex, Phase.DECIDED, now)
             self._record_point(ex, None, {"refused": refusal})
             self.memory.add_tabu(name, value, f"the planner refused it: {refusal}")
             self._next(now)
@@ -251,7 +248,7 @@ class Explorer:
         if not self._request(ex, params, f"exploration {ex.explore_id}: {name} = {value}"):
             self._finish("the restart could not be announced")
             return
-        self._restarted(ex, Step.RESTARTING, now)
+        self._restarted(ex, Phase.APPLYING, now)
 
     def _request(self, ex: Exploration, params: EngineParams, reason: str) -> bool:
         """Ask the lifecycle for the change; False when it could not be announced."""
@@ -271,29 +268,33 @@ class Explorer:
         nothing is decided about it until then."""
         return ex.change_id is not None and not self.life.slot.holds(ex.change_id)
 
-    def _restarted(self, ex: Exploration, step: Step, now: float) -> None:
+    def _restarted(self, ex: Exploration, phase: Phase, now: float) -> None:
         ex.restarts += 1
         self.memory.count_restart()
-        ex.step, ex.since = step, now
+        self._enter(ex, phase, now)
+
+    def _enter(self, ex: Exploration, phase: Phase, now: float) -> None:
+        """The exploration's next phase, checked against tune/experiment.py's table."""
+        ex.step, ex.since = check(ex.step, phase), now
 
     def step(self, now: float) -> None:
         ex = self.current
         if ex is None or self._outcome_pending(ex):
             return
-        if ex.step is Step.PLANNING and ex.plan is not None and ex.plan.done():
+        if ex.step is Phase.PLANNING and ex.plan is not None and ex.plan.done():
             self._planned(ex, now)
-        elif ex.step is Step.MEASURING and ex.pending is not None and self._window_full(ex, now):
+        elif ex.step is Phase.MEASURING and ex.pending is not None and self._window_full(ex, now):
             (result, why), ex.pending = ex.pending, None
             self._scored(ex, result, why, now)
-        elif ex.step is Step.WARMUP and now - ex.since >= self.config().tuning.warmup_s:
-            ex.step, ex.since = Step.MEASURING, now
+        elif ex.step is Phase.WARMUP and now - ex.since >= self.config().tuning.warmup_s:
+            self._enter(ex, Phase.MEASURING, now)
             what = ex.point or "the recalled configuration"
             self.prober.request(f"exploration {ex.explore_id}: {what}", self._measured, remember=False)
 
     def _measured(self, result: ProbeResult | None, why: str | None) -> None:
         """The point's probe is done; scored now, or (live objective) once its live window is whole."""
         ex, now = self.current, self.monotonic()
-        if ex is None or ex.step is not Step.MEASURING or self._outcome_pending(ex):
+        if ex is None or ex.step is not Phase.MEASURING or self._outcome_pending(ex):
             return
         if self._window_full(ex, now):
             self._scored(ex, result, why, now)
@@ -306,6 +307,7 @@ class Explorer:
 
     def _scored(self, ex: Exploration, result: ProbeResult | None, why: str | None, now: float) -> None:
         live = self.window(ex.since, now) if ex.source == "live" else None
+        self._enter(ex, Phase.DECIDED, now)
         feasible, excess = self._probe_score(result) if result is not None else (None, None)
         objective, source = scored(self.goal(), ex.source, feasible, live)
         figures = result.as_dict() if result is not None else {"error": why}
@@ -391,7 +393,7 @@ class Explorer:
         if not self._request(ex, ex.recall, f"exploration {ex.explore_id}: {ex.reason}"):
             self._finish("the restart could not be announced")
             return
-        self._restarted(ex, Step.RESTARTING, self.monotonic())
+        self._restarted(ex, Phase.APPLYING, self.monotonic())
 
     def _recall_measured(
         self,
@@ -430,7 +432,7 @@ class Explorer:
         if self._end_change(
             ex, keep=False, reason=f"exploration {ex.explore_id}: the recalled configuration lost"
         ):
-            self._restarted(ex, Step.REVERTING, self.monotonic())
+            self._restarted(ex, Phase.REVERTING, self.monotonic())
         else:
             self._finish("the revert could not be started")
 
@@ -457,7 +459,7 @@ class Explorer:
         if not self._request(ex, best, reason):
             self._finish("the restart to the best point could not be announced")
             return
-        self._restarted(ex, Step.FINISHING, now)
+        self._restarted(ex, Phase.FINISHING, now)
 
     def _finish(self, why: str, *, promote: bool = False, kept: bool = False) -> None:
         """The exploration is over. `promote`: the configuration in force becomes last-known-good now;
@@ -465,6 +467,7 @@ class Explorer:
         ex = self.current
         if ex is None:
             return
+        check(ex.step, Phase.NONE)
         self.current = None
         self.life.slot.release()
         best = dict(ex.search.best) if ex.search is not None else {}
@@ -509,22 +512,23 @@ class Explorer:
             self._finish(f"aborted: {event.reason}")
 
     def _serving(self, ex: Exploration, now: float) -> None:
-        if ex.step is Step.FINISHING:
+        if ex.step is Phase.FINISHING:
             self._end_change(ex, keep=True, reason="exploration: the best point serves")
             self._finish("done", kept=True)
-        elif ex.step is Step.RESTARTING:
-            ex.step, ex.since = Step.WARMUP, now
+        elif ex.step is Phase.APPLYING:
+            self._enter(ex, Phase.WARMUP, now)
 
     def _failed(self, ex: Exploration, failure: EngineFailure) -> None:
-        if ex.step is Step.FINISHING:
+        if ex.step is Phase.FINISHING:
             self._finish(f"the best point failed to start: {failure.kind}")
             return
         ex.restarts += 1  # the revert the lifecycle starts at once
         self.memory.count_restart()
         if ex.recall is not None:
             self._recall_lost(ex, f"its start failed: {failure.kind}")
-            ex.step = Step.REVERTING
+            self._enter(ex, Phase.REVERTING, self.monotonic())
             return
+        self._enter(ex, Phase.REVERTING, self.monotonic())
         self._record_point(ex, None, {"failure": failure.as_dict()})
         if ex.point is not None:
             self.memory.add_tabu(ex.point[0], ex.point[1], f"its start failed in exploration: {failure.kind}")

@@ -1,12 +1,11 @@
-"""What a tuning trial is, as the tuner (tune/tuner.py) keeps it: its phase, its change, its
-windows and verdict; and the live knobs a trial may turn without a restart."""
+"""What a tuning trial is, as the tuner (tune/tuner.py) keeps it: its phase (tune/experiment.py), its
+change, its windows and verdict; and the live knobs a trial may turn without a restart."""
 
 from __future__ import annotations
 
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from enum import IntEnum
 from typing import Any, Protocol
 
 from tunerd.config.rules import Rule
@@ -14,17 +13,7 @@ from tunerd.policy.evidence import Point, WindowStats
 from tunerd.policy.tunables import Proposal, Value
 from tunerd.policy.verdict import Verdict
 from tunerd.supervise.capacity import PlanOutcome
-
-
-class Phase(IntEnum):
-    """Where a trial is (`tunerd_trial_phase`)."""
-
-    NONE = 0
-    PLANNING = 1  # the planner is asked whether the change fits
-    RESTARTING = 2  # intent journaled; vLLM stopping and starting with the change
-    WARMUP = 3  # serving; the first seconds are skipped (compile and cache warm-up)
-    EVALUATING = 4  # the after window
-    REVERTING = 5  # the change lost: vLLM restarting with the parameters before
+from tunerd.tune.experiment import Phase
 
 
 class LiveKnobs(Protocol):
@@ -42,7 +31,7 @@ class Trial:
     proposal: Proposal
     before: WindowStats
     before_values: dict[str, float | None]
-    phase: Phase
+    phase: Phase  # tune/experiment.py's table; changed only through the tuner's `_enter`
     phase_since: float
     plan: Future[PlanOutcome] | None = None
     change_id: int | None = None  # the lifecycle's change (supervise/change.py), once requested

@@ -4,8 +4,8 @@ normal start path, decides keep or revert from like-with-like evidence, and tell
 A stateful peer of the lifecycle, driven by the main loop (`on_poll` every poll, `step` every tick); it
 asks the lifecycle for a change (`Lifecycle.request`, decided with `ChangeSlot.end`) and learns its
 outcome as a `ChangeEvent` the loop delivers (`on_change`). Every decision is pure and lives in
-`tunerd.policy`: rule evaluation (`rules`), the proposal (`tunables`), the gates (`gates`), the evidence
-(`evidence`) and the verdict (`verdict`).
+`tunerd.policy`: rule evaluation (`rules`), what a fired rule does (`fired`), the proposal (`tunables`),
+the gates (`gates`), the evidence (`evidence`) and the verdict (`verdict`).
 
 A trial, in order: the rule fired on the *before* window of the serving run → the planner is asked
 (a refused change costs no restart) → the intent is journaled and vLLM restarted with the one change →
@@ -16,8 +16,8 @@ restarting: no planner, no restart, the same windows and verdict, a revert that 
 
 The second mode, exploration, is `explorer`'s (started by `explore_triggers`); the proposal is
 `proposer`'s; the probe is `prober`'s. Over 400 lines on purpose: one state machine (rules → proposal
-→ trial phases → verdict) that reads in order; its decisions are the policy modules', its memory is
-`tune.memory`'s.
+→ trial phases, checked against tune/experiment.py's table → verdict) that reads in order; its
+decisions are the policy modules', its memory is `tune.memory`'s.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import replace
 from datetime import datetime
+from functools import partial
 
 import structlog
 
@@ -37,9 +38,10 @@ from tunerd.engine.process import EngineRun
 from tunerd.observe.poller import PollSample
 from tunerd.observe.probe import ProbeResult
 from tunerd.policy.evidence import Point, WindowStats, signal_values, window_signals, window_stats
-from tunerd.policy.gates import flip_flop, why_not_act
+from tunerd.policy.fired import Act, Alert, Defer, Facts, Mute, decide
+from tunerd.policy.gates import window_open
 from tunerd.policy.rules import RuleState, TermValue, eased, evaluate, term_value
-from tunerd.policy.tunables import NoProposal
+from tunerd.policy.tunables import NoProposal, Proposal
 from tunerd.policy.verdict import Verdict, judge
 from tunerd.records.metrics import Metrics
 from tunerd.records.recorder import Recorder
@@ -47,13 +49,14 @@ from tunerd.records.state import DaemonState
 from tunerd.supervise.capacity import PlanOutcome
 from tunerd.supervise.change import ChangeEvent, Outcome
 from tunerd.supervise.lifecycle import Lifecycle
+from tunerd.tune.experiment import Phase, check
 from tunerd.tune.explore_triggers import ExploreTriggers
 from tunerd.tune.explorer import Explorer
 from tunerd.tune.memory import TuningMemory
 from tunerd.tune.prober import Prober
 from tunerd.tune.proposer import Proposer
 from tunerd.tune.recall import Recall
-from tunerd.tune.trials import LiveKnobs, Phase, RunSamples, Trial
+from tunerd.tune.trials import LiveKnobs, RunSamples, Trial
 
 log = structlog.get_logger("tunerd")
 
@@ -281,63 +284,51 @@ class Tuner:
             action=rule.action.model_dump(),
         )
         log.info("rule.fired", rule=rule.name, terms=[str(t.term) for t in terms])
-        if rule.action.kind == "alert":
-            self.rec.record("rule.alert", rule=rule.name, why=rule.why)
-            log.warning("rule.alert", rule=rule.name, why=rule.why)
-            return
         tuning = self.config.tuning
         wall = self.wallclock()
         assert run.ready_mono is not None
-        blocked = why_not_act(
-            tuning=tuning,
+        facts = Facts(
             paused=self.paused,
-            trial_running=self.trial is not None,
-            budget_left=self.memory.budget(),
+            change_in_flight=self.trial is not None,
+            budget=self.memory.budget(),
             served_s=now - run.ready_mono,
-            now=wall.astimezone(),  # maintenance windows are in local time
+            window_open=window_open(tuning.maintenance, wall.astimezone()),  # windows are in local time
+            before=self._window(now - tuning.window_s, now),
+            kept=self.memory.kept_changes(),
+            probe_quiet_s=self.prober.quiet_for(now) if self.prober is not None else None,
         )
-        if blocked is not None:
-            self.rec.record("rule.deferred", rule=rule.name, reason=blocked)
-            return
-        before = self._window(now - tuning.window_s, now)
-        if before is None:
-            self.rec.record("rule.deferred", rule=rule.name, reason="not enough samples for a before window")
-            return
-        if self.recall is not None:  # what the memory knows to be bad under this load
+        propose = partial(self._propose, rule)  # asked at most once, past the gates
+        decision = decide(rule, state, facts, propose, tuning=tuning, now=now, now_wall=wall.timestamp())
+        if isinstance(decision, Alert):
+            extra = {"reason": decision.reason} if decision.reason is not None else {}
+            self.rec.record("rule.alert", rule=rule.name, why=rule.why, **extra)
+            log.warning("rule.alert", rule=rule.name, why=rule.why, **extra)
+        elif isinstance(decision, Defer):
+            if decision.state is not None:
+                self.states[rule.name] = decision.state
+            self.rec.record("rule.deferred", rule=rule.name, reason=decision.reason)
+        elif isinstance(decision, Mute):
+            if decision.exhausted is not None:
+                self.rec.record("rule.exhausted", rule=rule.name, reason=decision.exhausted)
+            self.memory.mute(rule.name, decision.reason)
+        else:
+            self._act(rule, decision, now)
+
+    def _propose(self, rule: Rule, before: WindowStats) -> Proposal | NoProposal:
+        """The proposer's change for `rule`, once what the memory knows to be bad under this load is tabu."""
+        if self.recall is not None:
             for param, value, why in self.recall.bad_values(before):
                 if (param, value) not in self.memory.tabu():
                     self.memory.add_tabu(param, value, f"tuning memory: {why}")
-        proposal = self.proposer.propose(rule, running=before.running_avg)
-        if isinstance(proposal, NoProposal) and rule.action.kind == "revert":
-            self.rec.record("rule.alert", rule=rule.name, why=rule.why, reason=proposal.reason)
-            log.warning("rule.alert", rule=rule.name, why=rule.why, reason=proposal.reason)
-            return
-        if isinstance(proposal, NoProposal):
-            self.rec.record("rule.exhausted", rule=rule.name, reason=proposal.reason)
-            self.memory.mute(rule.name, f"nothing further to try: {proposal.reason}")
-            return
-        flop = flip_flop(
-            proposal.param, proposal.new, self.memory.kept_changes(), wall.timestamp(), tuning.tabu_s
-        )
-        if flop is not None:
-            self.memory.mute(rule.name, flop)
-            return
-        quiet = self.prober.quiet_for(now) if self.prober is not None else None
-        if quiet is not None and quiet < tuning.window_s:
-            # Held, not spent: the rule fires again once the probe has left the before window, not a
-            # cooldown later (a probe rule fires right after its probe; its alert must not wait on this).
-            self.states[rule.name] = replace(state, cooldown_until=now + tuning.window_s - quiet)
-            self.rec.record(
-                "rule.deferred",
-                rule=rule.name,
-                reason=f"a probe ran {quiet:.0f} s ago: the before window ({tuning.window_s:g} s) must "
-                "hold live traffic only",
-            )
-            return
+        return self.proposer.propose(rule, running=before.running_avg)
+
+    def _act(self, rule: Rule, decision: Act, now: float) -> None:
+        """Run the decided proposal as a trial (in dry-run: journal it only)."""
+        proposal, before = decision.proposal, decision.before
         # The rule's terms before the change: its own window (`observe.window_s`) of this run, where
         # it just fired; `eased` reads the same statistic over the same length after the change.
         before_values = self._rule_values(now)
-        if tuning.mode == "dry-run":
+        if decision.dry_run:
             self.rec.record(
                 "trial.proposed",
                 rule=rule.name,
@@ -350,10 +341,11 @@ class Tuner:
             )
             return
         trial_id = self.memory.next_trial()
-        check = self.life.capacity.check
+        fits = self.life.capacity.check
         params = proposal.params
-        plan = None if proposal.live else self.submit(lambda: check(params))
-        self.trial = Trial(trial_id, rule, proposal, before, before_values, Phase.PLANNING, now, plan)
+        plan = None if proposal.live else self.submit(lambda: fits(params))
+        phase = check(Phase.NONE, Phase.PLANNING)
+        self.trial = Trial(trial_id, rule, proposal, before, before_values, phase, now, plan)
         self._publish_phase()
         if proposal.live:  # no restart, nothing for the planner: the change applies at once
             self._apply_live(self.trial, now)
@@ -376,9 +368,9 @@ class Tuner:
         if trial.phase is Phase.PLANNING and trial.plan is not None and trial.plan.done():
             self._planned(trial, now)
         elif trial.phase is Phase.WARMUP and now - trial.phase_since >= tuning.warmup_s:
-            self._enter(trial, Phase.EVALUATING, now)
+            self._enter(trial, Phase.MEASURING, now)
             trial.window_start = now
-        elif trial.phase is Phase.EVALUATING:
+        elif trial.phase is Phase.MEASURING:
             assert trial.window_start is not None
             length = tuning.window_s + (tuning.max_extend_s if trial.extended else 0.0)
             if now - trial.window_start >= length:
@@ -418,7 +410,7 @@ class Tuner:
             return
         self.memory.count_restart()
         self._publish_phase()
-        self._enter(trial, Phase.RESTARTING, now)
+        self._enter(trial, Phase.APPLYING, now)
 
     def _apply_live(self, trial: Trial, now: float) -> None:
         """A live knob's trial: the change now, on the running daemon; then warm-up and the after window
@@ -432,6 +424,7 @@ class Tuner:
             notes=list(p.notes),
             before=trial.before.as_dict(),
         )
+        self._enter(trial, Phase.APPLYING, now)
         self.knobs.set(p.param, p.new, f"trial {trial.trial_id} (rule {trial.rule.name})")
         self._enter(trial, Phase.WARMUP, now)
 
@@ -463,6 +456,7 @@ class Tuner:
             )
             return
         trial.verdict, trial.after = verdict, after
+        self._enter(trial, Phase.DECIDED, now)
         decision = "kept" if verdict.decision == "keep" else "reverted"
         self.rec.record(
             "trial.decided",
@@ -528,10 +522,13 @@ class Tuner:
         return tuple(term_value(term, values, self.memory.baseline, False, 0.0) for term in rule.terms)
 
     def _enter(self, trial: Trial, phase: Phase, now: float) -> None:
-        trial.phase, trial.phase_since = phase, now
+        """The trial's next phase, checked against tune/experiment.py's table."""
+        trial.phase, trial.phase_since = check(trial.phase, phase), now
         self._publish_phase()
 
     def _end(self) -> None:
+        if self.trial is not None:
+            check(self.trial.phase, Phase.NONE)
         self.trial = None
         self._publish_phase()
 
@@ -564,7 +561,7 @@ class Tuner:
         if trial is None or trial.change_id != event.change_id:
             return
         if event.outcome is Outcome.SERVING:
-            if trial.phase is Phase.RESTARTING:
+            if trial.phase is Phase.APPLYING:
                 self._enter(trial, Phase.WARMUP, event.at)
         elif event.outcome is Outcome.FAILED:
             assert event.failure is not None
