@@ -427,6 +427,18 @@ def test_health_200_makes_a_starting_engine_running_and_closes_its_intent(tmp_pa
     assert len(rig.background) == 2  # the identity probe and the calibration, off the loop
 
 
+def test_a_health_answer_before_the_next_look_at_the_log_still_reads_the_kv_cache_size(
+    tmp_path: Path,
+) -> None:
+    # CI: the worker's /health answer reached the loop before its next poll of vLLM's log, and
+    # engine.ready said kv_cache_tokens None while the line was on disk.
+    rig = make_rig(tmp_path)
+    run = rig.start()  # its start-up lines are written at spawn, not yet read by the loop
+    rig.lifecycle.on_health(HealthResult(run.run_id, True, "200"), rig.now)
+    ready = rig.last("engine.ready")
+    assert ready["kv_cache_tokens"] == 1952 and ready["init_engine_s"] == 36.72
+
+
 def test_repeated_health_failures_while_running_fail_the_run(tmp_path: Path) -> None:
     rig = make_rig(tmp_path, {"timeouts": {"health_failures": 3}})
     rig.serve()

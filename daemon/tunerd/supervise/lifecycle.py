@@ -203,16 +203,7 @@ class Lifecycle:
 
     def step(self, now: float) -> None:
         engine = self.engine
-        for event in engine.poll(now):
-            if isinstance(event, EngineFailure):
-                self._on_failure(event, now)
-            elif isinstance(event, KvCacheSize):
-                self.metrics.kv_cache_tokens.set(event.tokens)
-                log.info("engine.kv_cache", tokens=event.tokens, max_concurrency=event.max_concurrency)
-            elif isinstance(event, Exited):
-                self._on_exit(event, now)
-            elif isinstance(event, TreeGone):
-                self._on_tree_gone(event, now)
+        self._take_engine_events(now)
         run = engine.run
         budget = self.config.timeouts.startup_s
         if engine.state is EngineState.STARTING and run is not None and now - run.started_mono > budget:
@@ -230,6 +221,19 @@ class Lifecycle:
             and now >= pending.not_before
         ):
             self._try_start(now)
+
+    def _take_engine_events(self, now: float) -> None:
+        """What the engine did since the last look: its new log lines, its exits, its stop's progress."""
+        for event in self.engine.poll(now):
+            if isinstance(event, EngineFailure):
+                self._on_failure(event, now)
+            elif isinstance(event, KvCacheSize):
+                self.metrics.kv_cache_tokens.set(event.tokens)
+                log.info("engine.kv_cache", tokens=event.tokens, max_concurrency=event.max_concurrency)
+            elif isinstance(event, Exited):
+                self._on_exit(event, now)
+            elif isinstance(event, TreeGone):
+                self._on_tree_gone(event, now)
 
     def _stop_grace(self, failure: EngineFailure | None = None) -> float:
         """How long a stop waits between SIGTERM and SIGKILL.
@@ -259,6 +263,11 @@ class Lifecycle:
         if run is None or result.run_id != run.run_id:
             return  # a late answer about an earlier run
         if self.engine.state is EngineState.STARTING and result.ok:
+            # vLLM logs its KV cache size (and may log a fatal line) before /health answers, but the
+            # answer can reach the loop before its next look at the log: look now, then decide.
+            self._take_engine_events(now)
+            if self.engine.state is not EngineState.STARTING or self.engine.run is not run:
+                return
             self.engine.mark_ready(now)
             seconds = round(now - run.started_mono, 2)
             kv = run.kv_cache.tokens if run.kv_cache else None
