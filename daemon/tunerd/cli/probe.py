@@ -17,9 +17,13 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from tunerd.records.journal import Record
+
+if TYPE_CHECKING:
+    from tunerd.config import Config
 
 PROBE_EXTRA_S = 60.0  # beyond the probe's own bound: the queue of a probe already running, the journal
 
@@ -54,22 +58,39 @@ def _token(command: str) -> str:
     return f"operator {command} {os.getpid()}-{time.time_ns()}"
 
 
-def _post(args: argparse.Namespace, path: str, body: dict[str, Any]) -> tuple[int, str] | int:
-    """(0, journal path) when the daemon accepted, else an exit code after printing why."""
-    from tunerd.cli.common import ask_daemon as _ask_daemon
-    from tunerd.cli.common import journal_path as _journal_path
+@dataclass(frozen=True)
+class _Requested:
+    """A command the daemon accepted: its config, the token it carries as its reason, and where the
+    journal ended before it was asked (its records come after `offset`)."""
+
+    config: Config
+    token: str
+    journal: str
+    offset: int
+
+
+def _request(args: argparse.Namespace, command: str, body: dict[str, Any]) -> _Requested | int:
+    """Load the config once, note where the journal ends, then POST `/<command>` with a fresh token as its
+    reason. An exit code, after printing why, when the config does not load or the daemon refuses."""
+    from tunerd.cli.common import EX_CONFIG, ask_daemon, load_or_report
+    from tunerd.cli.journal import journal_size
     from tunerd.config import default_config_path
 
-    journal = _journal_path(args.config or default_config_path())
-    answer = _ask_daemon(args, "POST", path, body)
+    config = load_or_report(args.config or default_config_path())
+    if config is None:
+        return EX_CONFIG
+    token = _token(command)
+    journal = str(config.paths.journal_path)
+    offset = journal_size(journal)
+    answer = ask_daemon(args, "POST", f"/{command}", {**body, "reason": token})
     if isinstance(answer, int):
         return answer
     code, document = answer
     if code != 202:
         error = document.get("error") if isinstance(document, dict) else document
-        print(f"tunerd {path.strip('/')}: the daemon refused: {error}", file=sys.stderr)
+        print(f"tunerd {command}: the daemon refused: {error}", file=sys.stderr)
         return 1
-    return 0, journal
+    return _Requested(config, token, journal, offset)
 
 
 def _records_until(path: str, offset: int, deadline: float) -> Iterator[Record]:
@@ -83,20 +104,17 @@ def _records_until(path: str, offset: int, deadline: float) -> Iterator[Record]:
 
 def cmd_probe(args: argparse.Namespace) -> int:
     from tunerd.cli.common import ask_daemon as _ask_daemon
-    from tunerd.cli.common import load_or_report as _load_or_report
-    from tunerd.cli.journal import journal_size
     from tunerd.cli.status import probe_line
-    from tunerd.config import default_config_path
 
-    config = _load_or_report(args.config or default_config_path())
-    if config is None:
-        return 78
-    token = _token("probe")
-    journal = str(config.paths.journal_path)
-    offset = journal_size(journal)
-    posted = _post(args, "/probe", {"reason": token})
-    if isinstance(posted, int):
-        return posted
+    requested = _request(args, "probe", {})
+    if isinstance(requested, int):
+        return requested
+    config, token, journal, offset = (
+        requested.config,
+        requested.token,
+        requested.journal,
+        requested.offset,
+    )
     cfg = config.probe
     rounds = math.ceil(cfg.requests / cfg.concurrency)
     bound = cfg.timeout_s * rounds + PROBE_EXTRA_S
@@ -172,23 +190,15 @@ def _figure(value: float) -> str:
 
 
 def cmd_explore(args: argparse.Namespace) -> int:
-    from tunerd.cli.common import load_or_report as _load_or_report
-    from tunerd.cli.journal import journal_size
-    from tunerd.config import default_config_path
 
     names = [name.strip() for name in args.params.split(",") if name.strip()]
     if not names:
         print("tunerd explore: name at least one parameter, e.g. max_num_seqs", file=sys.stderr)
         return 64
-    config = _load_or_report(args.config or default_config_path())
-    if config is None:
-        return 78
-    token = _token("explore")
-    journal = str(config.paths.journal_path)
-    offset = journal_size(journal)
-    posted = _post(args, "/explore", {"names": names, "reason": token})
-    if isinstance(posted, int):
-        return posted
+    requested = _request(args, "explore", {"names": names})
+    if isinstance(requested, int):
+        return requested
+    token, journal, offset = requested.token, requested.journal, requested.offset
     if args.no_follow:
         print("exploration requested; follow it with `tunerd journal -f`")
         return 0
@@ -314,19 +324,16 @@ def cache_reset_answer(record: Record) -> tuple[str, int]:
 
 
 def cmd_cache_reset(args: argparse.Namespace) -> int:
-    from tunerd.cli.common import EX_CONFIG, load_or_report
-    from tunerd.cli.journal import journal_size
-    from tunerd.config import default_config_path
 
-    config = load_or_report(args.config or default_config_path())
-    if config is None:
-        return EX_CONFIG
-    token = _token("cache-reset")
-    journal = str(config.paths.journal_path)
-    offset = journal_size(journal)
-    posted = _post(args, "/cache-reset", {"reason": token})
-    if isinstance(posted, int):
-        return posted
+    requested = _request(args, "cache-reset", {})
+    if isinstance(requested, int):
+        return requested
+    config, token, journal, offset = (
+        requested.config,
+        requested.token,
+        requested.journal,
+        requested.offset,
+    )
     bound = cache_reset_bound_s(config.cache_reset.retries, config.cache_reset.retry_after_s)
     for record in _records_until(journal, offset, time.monotonic() + bound):
         if record.get("trigger") != token or not str(record.get("event")).startswith("cache_reset."):
