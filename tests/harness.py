@@ -395,15 +395,20 @@ def wait_record_with_pids_dead(
 
 @contextmanager
 def running_daemon(
-    workdir: Path, sections: dict[str, dict[str, Any]], env: dict[str, str] | None = None
+    workdir: Path,
+    sections: dict[str, dict[str, Any]],
+    env: dict[str, str] | None = None,
+    *,
+    stop_timeout: float = 60,
 ) -> Iterator[Daemon]:
-    """A started daemon; on exit it is killed and the test fails if it left any process behind."""
+    """A started daemon; on exit it is stopped (SIGTERM, `stop_timeout`), killed if need be, and the test
+    fails if it left any process behind."""
     daemon = Daemon(workdir, sections, env)
     daemon.start()
     try:
         yield daemon
         if daemon.running:
-            assert daemon.stop(timeout=60) == 0, daemon.dump()
+            assert daemon.stop(timeout=stop_timeout) == 0, daemon.dump()
         assert not daemon.marked_pids(), f"processes left behind: {daemon.marked_pids()}\n{daemon.dump()}"
     finally:
         daemon.cleanup()

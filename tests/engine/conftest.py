@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from tests.engine.planner_harness import LoggedStart
-from tests.harness import REPO, Daemon, free_port
+from tests.harness import REPO, Daemon, free_port, running_daemon
 
 # The benchmark probe of the tiny daemon (tests/engine/test_real_vllm_probe.py).
 PROBE = {"prompt_tokens": 64, "max_tokens": 64, "requests": 8, "concurrency": 4, "timeout_s": 120.0}
@@ -177,18 +177,11 @@ def tiny_daemon(
         probe={**PROBE, "interval_s": 0},
         cache_reset={"retries": 10, "retry_after_s": 2.0},  # no cron: `tunerd cache-reset` runs it now
     )
-    daemon = Daemon(workdir, sections)
-    daemon.start()
-    try:
+    with running_daemon(workdir, sections, stop_timeout=120) as daemon:
         # The first start is the planner's case A-kv-1000000 (the same flags): it reads this log.
         daemon.wait_event("engine.ready", timeout=400)
         logged_starts.keep(daemon, next(r for r in daemon.records() if r["event"] == "engine.spawned"))
         yield daemon
-        if daemon.running:
-            assert daemon.stop(timeout=120) == 0, daemon.dump()
-        assert not daemon.marked_pids(), f"processes left behind: {daemon.marked_pids()}\n{daemon.dump()}"
-    finally:
-        daemon.cleanup()
 
 
 def reload_rules(daemon: Daemon, rules: str | None) -> None:
