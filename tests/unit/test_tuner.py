@@ -487,3 +487,23 @@ def test_eased_reads_the_statistic_the_rule_fired_on(tmp_path: Path) -> None:
     assert (first["old"], first["new"]) == (32, 64)
     assert first["before"]["waiting_avg"] < 10  # the mean never held
     assert (first["decision"], first["reason"]) == ("reverted", "the safety condition did not ease")
+
+
+def test_the_planner_is_asked_once_for_a_trials_parameters(tmp_path: Path) -> None:
+    # Issue 20: the trial's planning step asked the planner, then the start's preflight asked it again
+    # for the same parameters; the plan made in planning now travels with the request to the preflight.
+    sim = make_tuner(tmp_path)
+    asked: list[EngineParams] = []
+    check = sim.rig.lifecycle.capacity.check
+
+    def counting(params: EngineParams) -> PlanOutcome:
+        asked.append(params)
+        return check(params)
+
+    sim.rig.lifecycle.capacity.check = counting  # type: ignore[method-assign]
+    sim.run_until(lambda: len(sim.decided()) >= 1 and sim.tuner.trial is None)
+    started = sim.rig.last("trial.started")
+    assert started["plan"] == {"band": "fine", "ratio": 0.4}
+    assert [p.max_num_seqs for p in asked].count(16) == 1
+    plans = [r for r in sim.rig.records("preflight.plan") if r["params"]["max_num_seqs"] == 16]
+    assert len(plans) == 1 and plans[0]["band"] == "fine"  # the preflight still journals the plan it used

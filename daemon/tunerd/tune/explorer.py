@@ -233,9 +233,10 @@ class Explorer:
         """The planner's verdict on the point: refused — infeasible, tabu, no restart — or restart."""
         assert ex.plan is not None and ex.point is not None and ex.search is not None
         try:
-            refusal = ex.plan.result().refusal
+            outcome: PlanOutcome | None = ex.plan.result()
         except Exception:  # the planner is advice: a bug in it does not stop the exploration
-            refusal = None
+            outcome = None
+        refusal = outcome.refusal if outcome is not None else None
         ex.plan = None
         name, value = ex.point
         if refusal is not None:
@@ -245,14 +246,17 @@ class Explorer:
             self._next(now)
             return
         params = self.life.params.replace(**{**ex.search.best, name: value})
-        if not self._request(ex, params, f"exploration {ex.explore_id}: {name} = {value}"):
+        if not self._request(ex, params, f"exploration {ex.explore_id}: {name} = {value}", outcome):
             self._finish("the restart could not be announced")
             return
         self._restarted(ex, Phase.APPLYING, now)
 
-    def _request(self, ex: Exploration, params: EngineParams, reason: str) -> bool:
-        """Ask the lifecycle for the change; False when it could not be announced."""
-        ex.change_id = self.life.request(params, reason, ex.owner, ex.explore_id)
+    def _request(
+        self, ex: Exploration, params: EngineParams, reason: str, plan: PlanOutcome | None = None
+    ) -> bool:
+        """Ask the lifecycle for the change (with the planner's outcome for it, when asked); False when
+        it could not be announced."""
+        ex.change_id = self.life.request(params, reason, ex.owner, ex.explore_id, plan)
         return ex.change_id is not None
 
     def _end_change(self, ex: Exploration, *, keep: bool, reason: str, promote: bool = True) -> bool:

@@ -403,7 +403,7 @@ class Tuner:
                 if k in outcome.figures
             },
         )
-        trial.change_id = self.life.request(p.params, reason, "trial", trial.trial_id)
+        trial.change_id = self.life.request(p.params, reason, "trial", trial.trial_id, outcome)
         if trial.change_id is None:
             self.rec.record("trial.aborted", **trial.describe(), reason="the restart could not be announced")
             self._end()
