@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.unit.fakes import Rig, make_rig
+from tests.unit.fakes import Rig, make_rig, record_phases
 from tunerd.config.rules import RuleSet, parse_rules
 from tunerd.core.engine_sample import EngineSample, Histogram
 from tunerd.core.params import EngineParams
@@ -26,8 +26,6 @@ from tunerd.observe.signals import SignalWindow
 from tunerd.observe.vllm_metrics import ScrapeResult
 from tunerd.records.experience import Experience
 from tunerd.supervise.capacity import PlanOutcome
-from tunerd.tune import tuner as tuner_module
-from tunerd.tune.experiment import check
 from tunerd.tune.recall import Recall
 from tunerd.tune.tuner import Phase, Tuner
 
@@ -274,13 +272,7 @@ def test_a_kept_step_that_clears_the_condition_resolves_the_rule_and_the_story_e
 def test_every_phase_a_trial_takes_goes_through_the_experiment_table(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    seen: list[tuple[Phase, Phase]] = []
-
-    def recording(old: Phase, new: Phase) -> Phase:
-        seen.append((old, new))
-        return check(old, new)
-
-    monkeypatch.setattr(tuner_module, "check", recording)
+    seen = record_phases(monkeypatch)
     sim = make_tuner(tmp_path)
     sim.run_until(lambda: len(sim.decided()) >= 1 and sim.tuner.trial is None)
     p = Phase

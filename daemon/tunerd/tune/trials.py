@@ -1,10 +1,10 @@
-"""What a tuning trial is, as the tuner (tune/tuner.py) keeps it: its phase (tune/experiment.py), its
-change, its windows and verdict; and the live knobs a trial may turn without a restart."""
+"""What a tuning trial is, as the tuner (tune/tuner.py) keeps it: its rule, its change, its windows and
+verdict, and the `Experiment` (tune/experiment.py) that runs its phases and its change; and the live
+knobs a trial may turn without a restart."""
 
 from __future__ import annotations
 
 from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -12,8 +12,7 @@ from tunerd.config.rules import Rule
 from tunerd.policy.evidence import Point, WindowStats
 from tunerd.policy.tunables import Proposal, Value
 from tunerd.policy.verdict import Verdict
-from tunerd.supervise.capacity import PlanOutcome
-from tunerd.tune.experiment import Phase
+from tunerd.tune.experiment import Experiment, Phase
 
 
 class LiveKnobs(Protocol):
@@ -31,14 +30,19 @@ class Trial:
     proposal: Proposal
     before: WindowStats
     before_values: dict[str, float | None]
-    phase: Phase  # tune/experiment.py's table; changed only through the tuner's `_enter`
-    phase_since: float
-    plan: Future[PlanOutcome] | None = None
-    change_id: int | None = None  # the lifecycle's change (supervise/change.py), once requested
+    experiment: Experiment  # its phases and its change (tune/experiment.py)
     window_start: float | None = None
     extended: bool = False
     verdict: Verdict | None = None
     after: WindowStats | None = None
+
+    @property
+    def phase(self) -> Phase:
+        return self.experiment.phase
+
+    @property
+    def phase_since(self) -> float:
+        return self.experiment.since
 
     def describe(self) -> dict[str, Any]:
         p = self.proposal

@@ -47,9 +47,9 @@ from tunerd.records.metrics import Metrics
 from tunerd.records.recorder import Recorder
 from tunerd.records.state import DaemonState
 from tunerd.supervise.capacity import PlanOutcome
-from tunerd.supervise.change import ChangeEvent, Outcome
+from tunerd.supervise.change import ChangeEvent
 from tunerd.supervise.lifecycle import Lifecycle
-from tunerd.tune.experiment import Phase, check
+from tunerd.tune.experiment import Experiment, Phase
 from tunerd.tune.explore_triggers import ExploreTriggers
 from tunerd.tune.explorer import Explorer
 from tunerd.tune.memory import TuningMemory
@@ -341,14 +341,22 @@ class Tuner:
             )
             return
         trial_id = self.memory.next_trial()
-        fits = self.life.capacity.check
-        params = proposal.params
-        plan = None if proposal.live else self.submit(lambda: fits(params))
-        phase = check(Phase.NONE, Phase.PLANNING)
-        self.trial = Trial(trial_id, rule, proposal, before, before_values, phase, now, plan)
-        self._publish_phase()
+        experiment = Experiment(
+            self,
+            self.life,
+            owner="trial",
+            ref=trial_id,
+            submit=self.submit,
+            warmup_s=lambda: self.config.tuning.warmup_s,
+            count_restart=self.memory.count_restart,
+            on_phase=self._publish_phase,
+        )
+        self.trial = Trial(trial_id, rule, proposal, before, before_values, experiment)
         if proposal.live:  # no restart, nothing for the planner: the change applies at once
             self._apply_live(self.trial, now)
+        else:
+            reason = f"rule {rule.name}: {proposal.param} {proposal.old} → {proposal.new}"
+            experiment.plan(proposal.params, reason, now)
 
     # -- trial phases ------------------------------------------------------------------------------
 
@@ -359,37 +367,23 @@ class Tuner:
             run = self.life.engine.run
             settled = run is not None and run.ready_mono is not None and self._settled(run, now)
             self.triggers.step(now, settled)
-        trial = self.trial
-        if trial is None:
-            return
-        if trial.change_id is not None and not self.life.slot.holds(trial.change_id):
-            return  # its change ended (aborted, reverted): the outcome is on the loop's queue
-        tuning = self.config.tuning
-        if trial.phase is Phase.PLANNING and trial.plan is not None and trial.plan.done():
-            self._planned(trial, now)
-        elif trial.phase is Phase.WARMUP and now - trial.phase_since >= tuning.warmup_s:
-            self._enter(trial, Phase.MEASURING, now)
-            trial.window_start = now
-        elif trial.phase is Phase.MEASURING:
-            assert trial.window_start is not None
-            length = tuning.window_s + (tuning.max_extend_s if trial.extended else 0.0)
-            if now - trial.window_start >= length:
-                self._decide(trial, now)
+        if self.trial is not None:
+            self.trial.experiment.step(now)
 
-    def _planned(self, trial: Trial, now: float) -> None:
-        assert trial.plan is not None
-        try:
-            outcome = trial.plan.result()
-        except Exception as exc:  # the planner is advice: a bug in it does not stop the trial
-            outcome = PlanOutcome(None, {"planner": f"no plan: {type(exc).__name__}: {exc}"})
+    # -- the trial's judge (tune/experiment.py's Subject: its Experiment calls these) ----------------
+
+    def on_refused(self, plan: PlanOutcome, now: float) -> None:
+        """The planner refused the change: no restart; the value goes tabu."""
+        trial = self._trial()
         p = trial.proposal
-        if outcome.refusal is not None:
-            self.rec.record("trial.refused", **trial.describe(), reason=outcome.refusal, plan=outcome.figures)
-            self.memory.add_tabu(p.param, p.new, f"the planner refused it: {outcome.refusal}")
-            self.metrics.trials.labels(outcome="refused").inc()
-            self._end()
-            return
-        reason = f"rule {trial.rule.name}: {p.param} {p.old} → {p.new}"
+        self.rec.record("trial.refused", **trial.describe(), reason=plan.refusal, plan=plan.figures)
+        self.memory.add_tabu(p.param, p.new, f"the planner refused it: {plan.refusal}")
+        self.metrics.trials.labels(outcome="refused").inc()
+        self._end()
+
+    def on_accepted(self, plan: PlanOutcome) -> None:
+        trial = self._trial()
+        p = trial.proposal
         self.rec.record(
             "trial.started",
             **trial.describe(),
@@ -397,20 +391,32 @@ class Tuner:
             params_after=p.params,
             notes=list(p.notes),
             before=trial.before.as_dict(),
-            plan={
-                k: outcome.figures.get(k)
-                for k in ("band", "ratio", "kv_cache_tokens")
-                if k in outcome.figures
-            },
+            plan={k: plan.figures.get(k) for k in ("band", "ratio", "kv_cache_tokens") if k in plan.figures},
         )
-        trial.change_id = self.life.request(p.params, reason, "trial", trial.trial_id, outcome)
-        if trial.change_id is None:
-            self.rec.record("trial.aborted", **trial.describe(), reason="the restart could not be announced")
-            self._end()
-            return
-        self.memory.count_restart()
-        self._publish_phase()
-        self._enter(trial, Phase.APPLYING, now)
+
+    def on_unannounced(self, now: float) -> None:
+        trial = self._trial()
+        self.rec.record("trial.aborted", **trial.describe(), reason="the restart could not be announced")
+        self._end()
+
+    def on_warm(self, now: float) -> None:
+        self._trial().window_start = now  # the after window opens
+
+    def on_measuring(self, now: float) -> None:
+        """The after window, as long as the before window (longer once extended), then the verdict."""
+        trial = self._trial()
+        tuning = self.config.tuning
+        assert trial.window_start is not None
+        length = tuning.window_s + (tuning.max_extend_s if trial.extended else 0.0)
+        if now - trial.window_start >= length:
+            self._decide(trial, now)
+
+    def on_served(self, now: float) -> None:
+        """Not a trial's: a trial never restarts to a best point (FINISHING)."""
+
+    def _trial(self) -> Trial:
+        assert self.trial is not None
+        return self.trial
 
     def _apply_live(self, trial: Trial, now: float) -> None:
         """A live knob's trial: the change now, on the running daemon; then warm-up and the after window
@@ -424,9 +430,8 @@ class Tuner:
             notes=list(p.notes),
             before=trial.before.as_dict(),
         )
-        self._enter(trial, Phase.APPLYING, now)
-        self.knobs.set(p.param, p.new, f"trial {trial.trial_id} (rule {trial.rule.name})")
-        self._enter(trial, Phase.WARMUP, now)
+        knobs, why = self.knobs, f"trial {trial.trial_id} (rule {trial.rule.name})"
+        trial.experiment.apply_live(lambda: knobs.set(p.param, p.new, why), now)
 
     def _decide(self, trial: Trial, now: float) -> None:
         assert trial.window_start is not None
@@ -456,7 +461,7 @@ class Tuner:
             )
             return
         trial.verdict, trial.after = verdict, after
-        self._enter(trial, Phase.DECIDED, now)
+        trial.experiment.decide(now)
         decision = "kept" if verdict.decision == "keep" else "reverted"
         self.rec.record(
             "trial.decided",
@@ -488,19 +493,16 @@ class Tuner:
             self.rec.record("trial.ended", **trial.describe(), outcome="reverted", restart=False)
             self._end()
             return
-        assert trial.change_id is not None
         reason = f"trial {trial.trial_id} reverted: {verdict.reason}"
-        if self.life.slot.end(trial.change_id, keep=False, reason=reason):
-            self.memory.count_restart()
-        self._publish_phase()
-        self._enter(trial, Phase.REVERTING, now)
+        if not trial.experiment.revert(reason, now):
+            # Not started (its intent could not be made durable): the trial waits for its change's
+            # outcome as a started revert's would (an operator restart or a reload ends it).
+            trial.experiment.enter(Phase.REVERTING, now)
 
     def _kept(self, trial: Trial, after: WindowStats | None) -> None:
         p = trial.proposal
         if not p.live:
-            assert trial.change_id is not None
-            reason = trial.verdict.reason if trial.verdict else "kept"
-            self.life.slot.end(trial.change_id, keep=True, reason=reason)
+            trial.experiment.keep(trial.verdict.reason if trial.verdict else "kept")
         self.memory.kept(trial.trial_id, trial.rule.name, p.param, p.old, p.new)
         if after is not None:
             # The rule's window at the end of the after window: what relative terms will compare with.
@@ -521,19 +523,15 @@ class Tuner:
     def _terms(self, rule: Rule, values: Mapping[str, float | None]) -> tuple[TermValue, ...]:
         return tuple(term_value(term, values, self.memory.baseline, False, 0.0) for term in rule.terms)
 
-    def _enter(self, trial: Trial, phase: Phase, now: float) -> None:
-        """The trial's next phase, checked against tune/experiment.py's table."""
-        trial.phase, trial.phase_since = check(trial.phase, phase), now
-        self._publish_phase()
-
     def _end(self) -> None:
+        """The trial is over (its experiment's phase NONE, exported)."""
         if self.trial is not None:
-            check(self.trial.phase, Phase.NONE)
+            self.trial.experiment.end()
         self.trial = None
-        self._publish_phase()
 
-    def _publish_phase(self) -> None:
-        self.metrics.trial_phase.set(self.trial.phase if self.trial is not None else Phase.NONE)
+    def _publish_phase(self, phase: Phase = Phase.NONE) -> None:
+        """Export the trial's phase (`tunerd_trial_phase`) and the restart budget left."""
+        self.metrics.trial_phase.set(phase)
         self.metrics.restart_budget.set(self.memory.budget().left)
 
     # -- what became of the change (ChangeEvent, from the loop's queue) -----------------------------
@@ -556,24 +554,17 @@ class Tuner:
         if event.owner != "trial":
             if self.explorer is not None:
                 self.explorer.on_change(event)
-            return
-        trial = self.trial
-        if trial is None or trial.change_id != event.change_id:
-            return
-        if event.outcome is Outcome.SERVING:
-            if trial.phase is Phase.APPLYING:
-                self._enter(trial, Phase.WARMUP, event.at)
-        elif event.outcome is Outcome.FAILED:
-            assert event.failure is not None
-            self._trial_failed(trial, event.failure, event.at)
-        elif event.outcome is Outcome.REVERTED:
-            self._trial_reverted(trial, event.run, event.failure)
-        else:
-            self.rec.record("trial.aborted", **trial.describe(), reason=event.reason)
-            self.metrics.trials.labels(outcome="aborted").inc()
-            self._end()
+        elif self.trial is not None:
+            self.trial.experiment.on_change(event)
 
-    def _trial_failed(self, trial: Trial, failure: EngineFailure, now: float) -> None:
+    def on_aborted(self, reason: str) -> None:
+        self.rec.record("trial.aborted", **self._trial().describe(), reason=reason)
+        self.metrics.trials.labels(outcome="aborted").inc()
+        self._end()
+
+    def on_failed(self, failure: EngineFailure, now: float) -> None:
+        """Its start or run failed: a loss; the lifecycle reverts at once (its Experiment: REVERTING)."""
+        trial = self._trial()
         self.rec.record(
             "trial.decided",
             **trial.describe(),
@@ -587,11 +578,9 @@ class Tuner:
             p = trial.proposal
             self.recall.trial(p.params, p.param, "failed", trial.before, f"its start failed: {failure.kind}")
         self.metrics.trials.labels(outcome="failed").inc()
-        self.memory.count_restart()
-        self._publish_phase()  # the revert the lifecycle started at once
-        self._enter(trial, Phase.REVERTING, now)
 
-    def _trial_reverted(self, trial: Trial, run: EngineRun | None, failure: EngineFailure | None) -> None:
+    def on_reverted(self, run: EngineRun | None, failure: EngineFailure | None) -> None:
+        trial = self._trial()
         if run is not None:
             self.rec.record("trial.ended", **trial.describe(), outcome="reverted", params=run.params)
         else:
