@@ -14,10 +14,13 @@ last-known-good and the new baseline) or revert (a restart like any other; the v
 live knob's trial (the front door's in-flight cap) changes it on the running daemon instead of
 restarting: no planner, no restart, the same windows and verdict, a revert that is one call.
 
-The second mode, exploration, is `explorer`'s (started by `explore_triggers`); the proposal is
-`proposer`'s; the probe is `prober`'s. Over 400 lines on purpose: one state machine (rules → proposal
-→ trial phases, checked against tune/experiment.py's table → verdict) that reads in order; its
-decisions are the policy modules', its memory is `tune.memory`'s.
+The trial's phases and its change are run by its `Experiment` (tune/experiment.py: the planner, the
+request, the warm-up, the change's outcomes, keep or revert); the tuner is its `Subject`: it says what
+to apply (the proposal), measures the after window and judges it. The second mode, exploration, is
+`explorer`'s (started by `explore_triggers`); the proposal is `proposer`'s; the probe is `prober`'s.
+Over 400 lines on purpose: the rules, the baseline and the trial's judgement (rules → proposal → trial →
+verdict) read in order; its decisions are the policy modules', its memory is `tune.memory`'s, its
+machine tune/experiment.py's.
 """
 
 from __future__ import annotations
@@ -358,7 +361,7 @@ class Tuner:
             reason = f"rule {rule.name}: {proposal.param} {proposal.old} → {proposal.new}"
             experiment.plan(proposal.params, reason, now)
 
-    # -- trial phases ------------------------------------------------------------------------------
+    # -- the loop's step -----------------------------------------------------------------------------
 
     def step(self, now: float) -> None:
         """Drive the trial or the exploration in progress (every loop tick)."""
