@@ -26,8 +26,9 @@ from tunerd.observe.signals import SignalWindow
 from tunerd.observe.vllm_metrics import ScrapeResult
 from tunerd.records.experience import Experience
 from tunerd.supervise.capacity import PlanOutcome
+from tunerd.tune.experiment import Phase
 from tunerd.tune.recall import Recall
-from tunerd.tune.tuner import Phase, Tuner
+from tunerd.tune.tuner import Tuner
 
 CLIENTS = 24
 TOKENS_PER_REQUEST = 400

@@ -1,4 +1,4 @@
-"""One experiment machine for a rule's trial (tune/tuner.py), an exploration's points and a recall
+"""One experiment machine for a rule's trial (tune/trials.py), an exploration's points and a recall
 (tune/explorer.py): its phases as one state machine with a transition table, checked like the engine's
 (core/states.py), and the `Experiment` that runs them.
 
@@ -10,7 +10,7 @@ request, so the start's preflight does not ask the planner again: supervise/pref
 to the lifecycle's change slot (supervise/change.py) and the restarts it counts, the `ChangeEvent`s that
 come back (serving → warm-up; failed → reverting; reverted; aborted), the warm-up clock, the hand-off to
 the measurement, and the decision's keep or revert through the slot. Its owner — the `Subject` — says
-what to apply, how to measure and how to judge, and is called back at each turn: the tuner's trial
+what to apply, how to measure and how to judge, and is called back at each turn: the rule's trial
 (the live window, the verdict, tabu and mutes) and the explorer (a probe, the search, the recall).
 
 `NONE` is no experiment (a trial's or an exploration's end: kept, reverted, refused, aborted). Two
@@ -90,7 +90,7 @@ def check(old: Phase, new: Phase) -> Phase:
 
 
 class Subject(Protocol):
-    """An experiment's owner, called back by its `Experiment` at each turn (tune/tuner.py's trial,
+    """An experiment's owner, called back by its `Experiment` at each turn (tune/trials.py's trial,
     tune/explorer.py's exploration). Each call may end the experiment (`Experiment.end`) or move it on
     (`plan`, `apply`, `decide`, `keep`, `revert`); what the owner journals is its own."""
 
@@ -151,7 +151,7 @@ class Experiment:
         self.submit = submit  # the planner's check runs as a worker job (it reads the model, /proc)
         self.warmup_s = warmup_s
         self.count_restart = count_restart
-        self.on_phase = on_phase  # the phase changed (the tuner exports a trial's)
+        self.on_phase = on_phase  # the phase changed (a trial exports its)
         self.phase = Phase.NONE
         self.since = 0.0  # monotonic: when the phase began
         self.change_id: int | None = None  # the lifecycle's change in flight, once requested

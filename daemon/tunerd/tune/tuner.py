@@ -1,9 +1,10 @@
 """The tuning loop: rules fire, the tuner proposes one change, runs it as a trial through the lifecycle's
 normal start path, decides keep or revert from like-with-like evidence, and tells the story in the journal.
 
-A stateful peer of the lifecycle, driven by the main loop (`on_poll` every poll, `step` every tick); it
-asks the lifecycle for a change (`Lifecycle.request`, decided with `ChangeSlot.end`) and learns its
-outcome as a `ChangeEvent` the loop delivers (`on_change`). Every decision is pure and lives in
+A stateful peer of the lifecycle, driven by the main loop (`on_poll` every poll, `step` every tick); its
+trial's experiment asks the lifecycle for the change (`Lifecycle.request`, decided with `ChangeSlot.end`)
+and learns its outcome as a `ChangeEvent` the loop delivers (`on_change`, handed to the trial's or the
+exploration's experiment). Every decision is pure and lives in
 `tunerd.policy`: rule evaluation (`rules`), what a fired rule does (`fired`), the proposal (`tunables`),
 the gates (`gates`), the evidence (`evidence`) and the verdict (`verdict`).
 
@@ -14,13 +15,12 @@ last-known-good and the new baseline) or revert (a restart like any other; the v
 live knob's trial (the front door's in-flight cap) changes it on the running daemon instead of
 restarting: no planner, no restart, the same windows and verdict, a revert that is one call.
 
-The trial's phases and its change are run by its `Experiment` (tune/experiment.py: the planner, the
-request, the warm-up, the change's outcomes, keep or revert); the tuner is its `Subject`: it says what
-to apply (the proposal), measures the after window and judges it. The second mode, exploration, is
-`explorer`'s (started by `explore_triggers`); the proposal is `proposer`'s; the probe is `prober`'s.
-Over 400 lines on purpose: the rules, the baseline and the trial's judgement (rules → proposal → trial →
-verdict) read in order; its decisions are the policy modules', its memory is `tune.memory`'s, its
-machine tune/experiment.py's.
+A trial is `trials.Trial`'s: the judge of the one change, whose phases and change its `Experiment`
+runs (tune/experiment.py); the tuner is its source: it evaluates the rules, asks `policy.fired.decide`
+what a fired rule does, proposes the change (`proposer`), and keeps the windows the trial measures.
+The second mode, exploration, is `explorer`'s (started by `explore_triggers`); the probe is
+`prober`'s. Over 400 lines (about 430): the rules, the baselines and the start of a trial read in order
+as one source of changes; its decisions are the policy modules', its memory is `tune.memory`'s.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ import structlog
 
 from tunerd.config import Config
 from tunerd.config.rules import Rule, RuleSet
-from tunerd.core.failures import EngineFailure
 from tunerd.core.states import EngineState
 from tunerd.engine.process import EngineRun
 from tunerd.observe.poller import PollSample
@@ -43,23 +42,21 @@ from tunerd.observe.probe import ProbeResult
 from tunerd.policy.evidence import Point, WindowStats, signal_values, window_signals, window_stats
 from tunerd.policy.fired import Act, Alert, Defer, Facts, Mute, decide
 from tunerd.policy.gates import window_open
-from tunerd.policy.rules import RuleState, TermValue, eased, evaluate, term_value
+from tunerd.policy.rules import RuleState, TermValue, evaluate
 from tunerd.policy.tunables import NoProposal, Proposal
-from tunerd.policy.verdict import Verdict, judge
 from tunerd.records.metrics import Metrics
 from tunerd.records.recorder import Recorder
 from tunerd.records.state import DaemonState
 from tunerd.supervise.capacity import PlanOutcome
 from tunerd.supervise.change import ChangeEvent
 from tunerd.supervise.lifecycle import Lifecycle
-from tunerd.tune.experiment import Experiment, Phase
 from tunerd.tune.explore_triggers import ExploreTriggers
 from tunerd.tune.explorer import Explorer
 from tunerd.tune.memory import TuningMemory
 from tunerd.tune.prober import Prober
 from tunerd.tune.proposer import Proposer
 from tunerd.tune.recall import Recall
-from tunerd.tune.trials import LiveKnobs, RunSamples, Trial
+from tunerd.tune.trials import LiveKnobs, RunSamples, Trial, TrialContext
 
 log = structlog.get_logger("tunerd")
 
@@ -107,6 +104,19 @@ class Tuner:
         self.recall = recall
         self.knobs = knobs
         self.proposer = Proposer(lifecycle, self.memory, knobs, lambda: self.config)
+        self._trial_ctx = TrialContext(
+            config=lambda: self.config,
+            lifecycle=lifecycle,
+            recorder=recorder,
+            memory=self.memory,
+            metrics=metrics,
+            submit=submit,
+            window=self._window,
+            rule_values=self._rule_values,
+            on_kept=self._probe_for_baseline,
+            recall=recall,
+            knobs=knobs,
+        )
         self.explorer = (
             Explorer(
                 lambda: self.config,
@@ -343,23 +353,8 @@ class Tuner:
                 mode="dry-run: nothing changes",
             )
             return
-        trial_id = self.memory.next_trial()
-        experiment = Experiment(
-            self,
-            self.life,
-            owner="trial",
-            ref=trial_id,
-            submit=self.submit,
-            warmup_s=lambda: self.config.tuning.warmup_s,
-            count_restart=self.memory.count_restart,
-            on_phase=self._publish_phase,
-        )
-        self.trial = Trial(trial_id, rule, proposal, before, before_values, experiment)
-        if proposal.live:  # no restart, nothing for the planner: the change applies at once
-            self._apply_live(self.trial, now)
-        else:
-            reason = f"rule {rule.name}: {proposal.param} {proposal.old} → {proposal.new}"
-            experiment.plan(proposal.params, reason, now)
+        self.trial = Trial(self._trial_ctx, self.memory.next_trial(), rule, proposal, before, before_values)
+        self.trial.start(now)
 
     # -- the loop's step -----------------------------------------------------------------------------
 
@@ -372,172 +367,7 @@ class Tuner:
             self.triggers.step(now, settled)
         if self.trial is not None:
             self.trial.experiment.step(now)
-
-    # -- the trial's judge (tune/experiment.py's Subject: its Experiment calls these) ----------------
-
-    def on_refused(self, plan: PlanOutcome, now: float) -> None:
-        """The planner refused the change: no restart; the value goes tabu."""
-        trial = self._trial()
-        p = trial.proposal
-        self.rec.record("trial.refused", **trial.describe(), reason=plan.refusal, plan=plan.figures)
-        self.memory.add_tabu(p.param, p.new, f"the planner refused it: {plan.refusal}")
-        self.metrics.trials.labels(outcome="refused").inc()
-        self._end()
-
-    def on_accepted(self, plan: PlanOutcome) -> None:
-        trial = self._trial()
-        p = trial.proposal
-        self.rec.record(
-            "trial.started",
-            **trial.describe(),
-            params_before=self.life.params,
-            params_after=p.params,
-            notes=list(p.notes),
-            before=trial.before.as_dict(),
-            plan={k: plan.figures.get(k) for k in ("band", "ratio", "kv_cache_tokens") if k in plan.figures},
-        )
-
-    def on_unannounced(self, now: float) -> None:
-        trial = self._trial()
-        self.rec.record("trial.aborted", **trial.describe(), reason="the restart could not be announced")
-        self._end()
-
-    def on_warm(self, now: float) -> None:
-        self._trial().window_start = now  # the after window opens
-
-    def on_measuring(self, now: float) -> None:
-        """The after window, as long as the before window (longer once extended), then the verdict."""
-        trial = self._trial()
-        tuning = self.config.tuning
-        assert trial.window_start is not None
-        length = tuning.window_s + (tuning.max_extend_s if trial.extended else 0.0)
-        if now - trial.window_start >= length:
-            self._decide(trial, now)
-
-    def on_served(self, now: float) -> None:
-        """Not a trial's: a trial never restarts to a best point (FINISHING)."""
-
-    def _trial(self) -> Trial:
-        assert self.trial is not None
-        return self.trial
-
-    def _apply_live(self, trial: Trial, now: float) -> None:
-        """A live knob's trial: the change now, on the running daemon; then warm-up and the after window
-        as for any trial."""
-        assert self.knobs is not None
-        p = trial.proposal
-        self.rec.record(
-            "trial.started",
-            **trial.describe(),
-            restart=False,
-            notes=list(p.notes),
-            before=trial.before.as_dict(),
-        )
-        knobs, why = self.knobs, f"trial {trial.trial_id} (rule {trial.rule.name})"
-        trial.experiment.apply_live(lambda: knobs.set(p.param, p.new, why), now)
-
-    def _decide(self, trial: Trial, now: float) -> None:
-        assert trial.window_start is not None
-        tuning = self.config.tuning
-        after = self._window(trial.window_start, now)
-        rule = trial.rule
-        if after is None:
-            verdict = Verdict("revert", "no evidence: too few samples in the after window")
-        else:
-            # The rule's window at the end of the after window (never before its start: one run's
-            # polls, past the warm-up), as before_values was the rule's window where it fired.
-            after_values = self._rule_values(now, not_before=trial.window_start)
-            terms_before = self._terms(rule, trial.before_values)
-            terms_after = self._terms(rule, after_values)
-            verdict = judge(
-                trial.before,
-                after,
-                tuning=tuning,
-                purpose=rule.purpose,
-                eased=eased(rule, terms_before, terms_after, tuning.tolerance),
-                extended=trial.extended,
-            )
-        if verdict.decision == "extend":
-            trial.extended = True
-            self.rec.record(
-                "trial.extended", **trial.describe(), reason=verdict.reason, by_s=tuning.max_extend_s
-            )
-            return
-        trial.verdict, trial.after = verdict, after
-        trial.experiment.decide(now)
-        decision = "kept" if verdict.decision == "keep" else "reverted"
-        self.rec.record(
-            "trial.decided",
-            **trial.describe(),
-            decision=decision,
-            reason=verdict.reason,
-            objective=verdict.objective,
-            objective_unit=verdict.unit or None,
-            objective_before=verdict.before,
-            objective_after=verdict.after,
-            ratio_interval_90=list(verdict.interval) if verdict.interval else None,
-            inconclusive=verdict.inconclusive,
-            before=trial.before.as_dict(),
-            after=after.as_dict() if after is not None else None,
-        )
-        log.info("trial.decided", **trial.describe(), decision=decision, reason=verdict.reason)
-        if self.recall is not None:
-            p = trial.proposal
-            self.recall.trial(p.params, p.param, verdict.decision, trial.before, verdict.reason, verdict)
-        if verdict.decision == "keep":
-            self._kept(trial, after)
-            return
-        self._lost(trial, f"reverted: {verdict.reason}")
-        self.metrics.trials.labels(outcome="reverted").inc()
-        if trial.proposal.live:  # back at once, no restart
-            assert self.knobs is not None
-            p = trial.proposal
-            self.knobs.set(p.param, p.old, f"trial {trial.trial_id} reverted")
-            self.rec.record("trial.ended", **trial.describe(), outcome="reverted", restart=False)
-            self._end()
-            return
-        reason = f"trial {trial.trial_id} reverted: {verdict.reason}"
-        if not trial.experiment.revert(reason, now):
-            # Not started (its intent could not be made durable): the trial waits for its change's
-            # outcome as a started revert's would (an operator restart or a reload ends it).
-            trial.experiment.enter(Phase.REVERTING, now)
-
-    def _kept(self, trial: Trial, after: WindowStats | None) -> None:
-        p = trial.proposal
-        if not p.live:
-            trial.experiment.keep(trial.verdict.reason if trial.verdict else "kept")
-        self.memory.kept(trial.trial_id, trial.rule.name, p.param, p.old, p.new)
-        if after is not None:
-            # The rule's window at the end of the after window: what relative terms will compare with.
-            values = self._rule_values(after.end, not_before=after.start)
-            self.memory.set_baseline(values, f"trial {trial.trial_id} kept")
-            self._probe_for_baseline(f"trial {trial.trial_id} kept")
-        self.metrics.trials.labels(outcome="kept").inc()
-        self._end()
-
-    def _lost(self, trial: Trial, why: str) -> None:
-        """The change lost (reverted or failed): its value goes tabu; a rule that keeps losing is muted."""
-        p, rule = trial.proposal, trial.rule
-        self.memory.add_tabu(p.param, p.new, why)
-        losses = self.memory.lost(rule.name)
-        if losses >= self.config.tuning.mute_after_losses:
-            self.memory.mute(rule.name, f"{losses} trials in a row lost")
-
-    def _terms(self, rule: Rule, values: Mapping[str, float | None]) -> tuple[TermValue, ...]:
-        return tuple(term_value(term, values, self.memory.baseline, False, 0.0) for term in rule.terms)
-
-    def _end(self) -> None:
-        """The trial is over (its experiment's phase NONE, exported)."""
-        if self.trial is not None:
-            self.trial.experiment.end()
-        self.trial = None
-
-    def _publish_phase(self, phase: Phase = Phase.NONE) -> None:
-        """Export the trial's phase (`tunerd_trial_phase`) and the restart budget left."""
-        self.metrics.trial_phase.set(phase)
-        self.metrics.restart_budget.set(self.memory.budget().left)
-
-    # -- what became of the change (ChangeEvent, from the loop's queue) -----------------------------
+            self._let_go()
 
     def _probe_for_baseline(self, why: str) -> None:
         """The probe's figures join the baseline (the 30 % rule works from them where live load is not
@@ -551,6 +381,8 @@ class Tuner:
 
         self.prober.request(f"baseline: {why}", done)
 
+    # -- what became of the change (ChangeEvent, from the loop's queue) -----------------------------
+
     def on_change(self, event: ChangeEvent) -> None:
         """The outcome of a change this tuner requested: an exploration's goes to the explorer, a trial's
         is handled here; one about an earlier change (superseded, ended) is ignored."""
@@ -559,37 +391,12 @@ class Tuner:
                 self.explorer.on_change(event)
         elif self.trial is not None:
             self.trial.experiment.on_change(event)
+            self._let_go()
 
-    def on_aborted(self, reason: str) -> None:
-        self.rec.record("trial.aborted", **self._trial().describe(), reason=reason)
-        self.metrics.trials.labels(outcome="aborted").inc()
-        self._end()
-
-    def on_failed(self, failure: EngineFailure, now: float) -> None:
-        """Its start or run failed: a loss; the lifecycle reverts at once (its Experiment: REVERTING)."""
-        trial = self._trial()
-        self.rec.record(
-            "trial.decided",
-            **trial.describe(),
-            decision="failed",
-            reason=f"the start with the change failed: {failure.kind}",
-            failure=failure.as_dict(),
-            before=trial.before.as_dict(),
-        )
-        self._lost(trial, f"failed: {failure.kind}")
-        if self.recall is not None:
-            p = trial.proposal
-            self.recall.trial(p.params, p.param, "failed", trial.before, f"its start failed: {failure.kind}")
-        self.metrics.trials.labels(outcome="failed").inc()
-
-    def on_reverted(self, run: EngineRun | None, failure: EngineFailure | None) -> None:
-        trial = self._trial()
-        if run is not None:
-            self.rec.record("trial.ended", **trial.describe(), outcome="reverted", params=run.params)
-        else:
-            detail = failure.as_dict() if failure is not None else None
-            self.rec.record("trial.ended", **trial.describe(), outcome="revert failed", failure=detail)
-        self._end()
+    def _let_go(self) -> None:
+        """A trial that is over is let go: the rules are evaluated again."""
+        if self.trial is not None and self.trial.over:
+            self.trial = None
 
     def _first_probe_baseline(self) -> None:
         """The first start's probe baseline, when live traffic is no busier than the periodic probe
