@@ -16,6 +16,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
+import pytest
+
 from tests.harness import FIXTURES, free_port
 from tunerd.config import Config, parse_config
 from tunerd.core.exits import ExitStatus
@@ -31,6 +33,8 @@ from tunerd.records.state import DaemonState, StateStore
 from tunerd.supervise.change import ChangeEvent
 from tunerd.supervise.lifecycle import Lifecycle
 from tunerd.supervise.preflight import Submit, run_here
+from tunerd.tune import experiment as experiment_module
+from tunerd.tune.experiment import Phase, check
 
 GIB = 1 << 30
 T = TypeVar("T")
@@ -460,3 +464,16 @@ def make_rig(
         transitions,
         posted,
     )
+
+
+def record_phases(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Phase, Phase]]:
+    """Every phase change an experiment makes from now on, in order: tune/experiment.py's `check`,
+    through which each one goes, recorded (and still checked)."""
+    seen: list[tuple[Phase, Phase]] = []
+
+    def recording(old: Phase, new: Phase) -> Phase:
+        seen.append((old, new))
+        return check(old, new)
+
+    monkeypatch.setattr(experiment_module, "check", recording)
+    return seen

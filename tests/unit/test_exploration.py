@@ -13,12 +13,13 @@ from typing import Any
 
 import pytest
 
-from tests.unit.fakes import make_rig
+from tests.unit.fakes import make_rig, record_phases
 from tests.unit.test_tuner import KV_RULE, LANDSCAPE, Perf, SimEngine, TunerRig, _wall
 from tunerd.commands import Commands
 from tunerd.config import ProbeConfig
 from tunerd.config.rules import parse_rules
 from tunerd.core.commands import Command
+from tunerd.core.params import EngineParams
 from tunerd.core.states import EngineState
 from tunerd.engine.admin import CacheResetResult
 from tunerd.observe.probe import ProbeResult
@@ -28,8 +29,7 @@ from tunerd.records.state import DaemonState
 from tunerd.supervise.cache_reset import CacheReset
 from tunerd.supervise.capacity import PlanOutcome
 from tunerd.supervise.preflight import run_here
-from tunerd.tune import explorer as explorer_module
-from tunerd.tune.experiment import Phase, check
+from tunerd.tune.experiment import Phase
 from tunerd.tune.prober import Prober
 from tunerd.tune.recall import Recall
 from tunerd.tune.tuner import Tuner
@@ -284,13 +284,7 @@ def test_every_phase_an_exploration_takes_goes_through_the_experiment_table(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A search with a failed point: its phases are a walk of tune/experiment.py's table."""
-    seen: list[tuple[Phase, Phase]] = []
-
-    def recording(old: Phase, new: Phase) -> Phase:
-        seen.append((old, new))
-        return check(old, new)
-
-    monkeypatch.setattr(explorer_module, "check", recording)
+    seen = record_phases(monkeypatch)
     sim = make_explorer(tmp_path)
     sim.fail_starts = frozenset({16})
     sim.explore("max_num_seqs")
@@ -549,3 +543,21 @@ def test_points_scored_on_live_traffic_are_filed_under_the_live_load_not_the_pro
     started = sim.rig.last("explore.started")
     assert started["objective_source"] == "live" and started["known_points"] >= len(points)
     assert second["best"] == {"max_num_seqs": 4} and second["restarts"] == 0
+
+
+def test_the_planner_is_asked_once_per_point(tmp_path: Path) -> None:
+    # Issue 20: a point's planning asked the planner, then its start's preflight asked again for the
+    # same parameters. Now a point is asked about once; the restart to the best point (a new start, after
+    # the points' calibrations) is asked about by its own preflight.
+    sim = make_explorer(tmp_path)
+    asked: list[int | None] = []
+
+    def check(params: EngineParams) -> PlanOutcome:
+        asked.append(params.max_num_seqs)
+        return PlanOutcome(None, {"band": "fine"})
+
+    sim.rig.lifecycle.capacity.check = check  # type: ignore[method-assign]
+    finished = sim.explore("max_num_seqs")
+    points = [p["value"] for p in sim.rig.records("explore.point")]
+    assert finished["best"] == {"max_num_seqs": 8} and points == [64, 16, 8, 4, 11, 6]
+    assert asked == [*points, 8]

@@ -54,6 +54,7 @@ class Bench:
         plan: Callable[[EngineParams], PlanOutcome] | None = None,
         submit: Submit = run_here,
         started: float = 0.0,
+        known: PlanOutcome | None = None,
     ) -> Preflight:
         return Preflight(
             self.config,
@@ -66,6 +67,7 @@ class Bench:
             plan_check=plan,
             started=started,
             submit=submit,
+            plan=known,
         )
 
 
@@ -160,6 +162,20 @@ def test_an_accepted_plan_is_journaled_and_kept_for_the_spawn(bench: Bench) -> N
     assert step.clear and preflight.plan is outcome
     (plan,) = [r for r in step.records if r["event"] == "preflight.plan"]
     assert plan["kv_cache_tokens"] == 1952 and plan["params"] == EngineParams(max_model_len=4096)
+
+
+def test_a_plan_asked_by_the_changes_owner_is_used_and_journaled_not_asked_again(bench: Bench) -> None:
+    # Issue 20: a trial asked the planner in its planning step, then the start's preflight asked again.
+    def asked(params: EngineParams) -> PlanOutcome:
+        bench.plans.append(params)
+        return PlanOutcome(None, {"feasible": True})
+
+    known = PlanOutcome(None, {"feasible": True, "kv_cache_tokens": 1952}, predicted_kv_tokens=1952)
+    preflight = bench.preflight(plan=asked, known=known)
+    step = preflight.step(0.0)
+    assert step.clear and preflight.plan is known and bench.plans == []
+    (plan,) = [r for r in step.records if r["event"] == "preflight.plan"]
+    assert plan["kv_cache_tokens"] == 1952
 
 
 def test_a_planner_that_raises_does_not_stop_the_start(bench: Bench) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.unit.fakes import Rig, make_rig
+from tests.unit.fakes import Rig, make_rig, record_phases
 from tunerd.config.rules import RuleSet, parse_rules
 from tunerd.core.engine_sample import EngineSample, Histogram
 from tunerd.core.params import EngineParams
@@ -26,10 +26,9 @@ from tunerd.observe.signals import SignalWindow
 from tunerd.observe.vllm_metrics import ScrapeResult
 from tunerd.records.experience import Experience
 from tunerd.supervise.capacity import PlanOutcome
-from tunerd.tune import tuner as tuner_module
-from tunerd.tune.experiment import check
+from tunerd.tune.experiment import Phase
 from tunerd.tune.recall import Recall
-from tunerd.tune.tuner import Phase, Tuner
+from tunerd.tune.tuner import Tuner
 
 CLIENTS = 24
 TOKENS_PER_REQUEST = 400
@@ -274,13 +273,7 @@ def test_a_kept_step_that_clears_the_condition_resolves_the_rule_and_the_story_e
 def test_every_phase_a_trial_takes_goes_through_the_experiment_table(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    seen: list[tuple[Phase, Phase]] = []
-
-    def recording(old: Phase, new: Phase) -> Phase:
-        seen.append((old, new))
-        return check(old, new)
-
-    monkeypatch.setattr(tuner_module, "check", recording)
+    seen = record_phases(monkeypatch)
     sim = make_tuner(tmp_path)
     sim.run_until(lambda: len(sim.decided()) >= 1 and sim.tuner.trial is None)
     p = Phase
@@ -487,3 +480,23 @@ def test_eased_reads_the_statistic_the_rule_fired_on(tmp_path: Path) -> None:
     assert (first["old"], first["new"]) == (32, 64)
     assert first["before"]["waiting_avg"] < 10  # the mean never held
     assert (first["decision"], first["reason"]) == ("reverted", "the safety condition did not ease")
+
+
+def test_the_planner_is_asked_once_for_a_trials_parameters(tmp_path: Path) -> None:
+    # Issue 20: the trial's planning step asked the planner, then the start's preflight asked it again
+    # for the same parameters; the plan made in planning now travels with the request to the preflight.
+    sim = make_tuner(tmp_path)
+    asked: list[EngineParams] = []
+    check = sim.rig.lifecycle.capacity.check
+
+    def counting(params: EngineParams) -> PlanOutcome:
+        asked.append(params)
+        return check(params)
+
+    sim.rig.lifecycle.capacity.check = counting  # type: ignore[method-assign]
+    sim.run_until(lambda: len(sim.decided()) >= 1 and sim.tuner.trial is None)
+    started = sim.rig.last("trial.started")
+    assert started["plan"] == {"band": "fine", "ratio": 0.4}
+    assert [p.max_num_seqs for p in asked].count(16) == 1
+    plans = [r for r in sim.rig.records("preflight.plan") if r["params"]["max_num_seqs"] == 16]
+    assert len(plans) == 1 and plans[0]["band"] == "fine"  # the preflight still journals the plan it used

@@ -47,7 +47,7 @@ from tunerd.policy.restart import Action, decide_after_failure
 from tunerd.records.metrics import Metrics
 from tunerd.records.recorder import Recorder
 from tunerd.records.state import DaemonState, StateStore
-from tunerd.supervise.capacity import CalibrationDone, Capacity
+from tunerd.supervise.capacity import CalibrationDone, Capacity, PlanOutcome
 from tunerd.supervise.change import ChangeSlot, Owner
 from tunerd.supervise.drain import DoorDrain, Drain
 from tunerd.supervise.engine_facts import EngineFacts, identity_job
@@ -483,14 +483,23 @@ class Lifecycle:
 
     # -- changes (supervise/change.py) -------------------------------------------------------------
 
-    def request(self, params: EngineParams, reason: str, owner: Owner, ref: int) -> int | None:
+    def request(
+        self, params: EngineParams, reason: str, owner: Owner, ref: int, plan: PlanOutcome | None = None
+    ) -> int | None:
         """Restart a serving engine with `params` as a change of `owner` (journaled as trial `ref`),
         through the normal start path. Its id, whose outcome comes back as `ChangeEvent`s on the loop's
         queue; None (nothing done) unless the engine serves and no change is in flight, or when the
-        intent could not be made durable."""
+        intent could not be made durable.
+
+        `plan`: the capacity planner's outcome for exactly `params`, asked by the owner before the
+        request (a refusal costs no restart): the start's preflight uses it instead of asking again."""
         if self.engine.state is not EngineState.RUNNING or self.shutting_down:
             return None
-        return self.slot.open(params, self.params, reason, owner, ref)
+        change_id = self.slot.open(params, self.params, reason, owner, ref)
+        pending = self.pending
+        if change_id is not None and pending is not None and pending.params == params:
+            pending.plan = plan
+        return change_id
 
     def _revert_now(self, params: EngineParams, reason: str, **fields: Any) -> bool:
         """A change's start or run failed: back to `params` at once, no retries, no backoff."""

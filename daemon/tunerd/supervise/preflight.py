@@ -8,7 +8,8 @@ In order, each may hold the start back (non-blocking: `step(now)` is called ever
    first start (MemAvailable, and the GPU's free memory where NVML reports it: so the gate waits for
    the first poll);
 4. page cache: on unified memory, a large one is dropped when the config allows, else advised;
-5. the capacity planner's verdict on the parameters (a refusal is final for these parameters).
+5. the capacity planner's verdict on the parameters (a refusal is final for these parameters); a
+   change's owner that asked the planner already (tune/experiment.py) hands its plan in: asked once.
 A start held back longer than `max_wait_s` fails with the last reason, so the crash-loop breaker
 (backoff, rollback, FATAL) applies instead of an endless wait.
 Over 400 lines: the five checks are one ordered gate with one wait/report discipline; the scans they
@@ -216,7 +217,10 @@ class Preflight:
         plan_check: PlanCheck | None,
         started: float,
         submit: Submit = run_here,
+        plan: PlanOutcome | None = None,
     ) -> None:
+        """`plan`: the planner's outcome for `params`, already asked by the change's owner: used (and
+        journaled) as the planner's verdict, the planner is not asked twice for the same parameters."""
         self.config = config
         self.params = params
         self.os = oscalls
@@ -235,6 +239,7 @@ class Preflight:
         self._plan_job: Future[PlanOutcome] | None = None
         self.baseline: MemoryGate | None = None  # set when this preflight took the first baseline
         self.plan: PlanOutcome | None = None  # the planner's verdict, once asked
+        self._known_plan = plan
 
     def step(self, now: float) -> PreflightStep:
         """One look at the checks (every loop tick while the start is pending); never blocks: scans
@@ -401,6 +406,9 @@ class Preflight:
     def _plan(self, now: float, records: list[dict[str, Any]]) -> PreflightStep | None:
         if self.plan_check is None:
             return None
+        if self._plan_job is None and self._known_plan is not None:
+            known = self._known_plan  # asked by the change's owner for these very parameters
+            self._plan_job = run_here(lambda: known)
         if self._plan_job is None:
             check, params = self.plan_check, self.params
             self._plan_job = self.submit(lambda: check(params))

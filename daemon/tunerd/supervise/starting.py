@@ -23,7 +23,7 @@ from tunerd.policy.corrections import without_flags
 from tunerd.policy.guards import MemoryGate
 from tunerd.records.recorder import Recorder
 from tunerd.records.state import DaemonState, EngineRecord
-from tunerd.supervise.capacity import Capacity
+from tunerd.supervise.capacity import Capacity, PlanOutcome
 from tunerd.supervise.preflight import Preflight, Submit, run_here
 
 
@@ -36,6 +36,7 @@ class PendingStart:
     action: str
     not_before: float
     preflight: Preflight | None = None
+    plan: PlanOutcome | None = None  # the planner's outcome for `params`, asked before (a change's owner)
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ class Starter:
 
     def step(self, pending: PendingStart, now: float) -> StartStep:
         if pending.preflight is None:
-            pending.preflight = self._preflight(pending.params, now)
+            pending.preflight = self._preflight(pending.params, now, pending.plan)
         preflight = pending.preflight
         result = preflight.step(now)
         for record in result.records:
@@ -101,7 +102,7 @@ class Starter:
             return Waiting(result.reason or "preflight")
         return self._spawn(pending, now)
 
-    def _preflight(self, params: EngineParams, now: float) -> Preflight:
+    def _preflight(self, params: EngineParams, now: float, plan: PlanOutcome | None) -> Preflight:
         baseline = self.dstate.baseline
         return Preflight(
             self.config,
@@ -112,6 +113,7 @@ class Starter:
             gate=MemoryGate(**baseline) if baseline else None,  # type: ignore[arg-type]
             gpu=self.gpu,
             plan_check=self.capacity.check,
+            plan=plan,
             started=now,
             submit=self.submit,
         )

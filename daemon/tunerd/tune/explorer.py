@@ -16,9 +16,11 @@ A recall is the one-point form: the best configuration the tuning memory knows f
 (a new deployment, an imported memory) is tried against the one in force, probe against probe, and kept
 only when it beats it by more than the tolerance; else reverted, and its values go tabu.
 
-Over 400 lines: one state machine (baseline, planning, applying, warm-up, measuring, decided, finishing,
-reverting: tune/experiment.py's phases, every change checked against its table) whose steps both forms
-share; the search itself is pure, in policy/explore.py.
+Each exploration's phases and changes are run by its `Experiment` (tune/experiment.py: the planner, the
+request, the warm-up, the change's outcomes, keep or revert); the explorer is its `Subject`: it says
+which point to apply, measures it with a probe (or the live window), scores it and picks the next. The
+search itself is pure, in policy/explore.py. Over 400 lines: the baseline, the search's points, the
+recall and the finish read as one story of one exploration; its machine is tune/experiment.py's.
 """
 
 from __future__ import annotations
@@ -41,10 +43,10 @@ from tunerd.policy.objective import EXPLORE, Objective, Source
 from tunerd.policy.tunables import REGISTRY, Value
 from tunerd.records.recorder import Recorder
 from tunerd.supervise.capacity import PlanOutcome
-from tunerd.supervise.change import ChangeEvent, Outcome, Owner
+from tunerd.supervise.change import ChangeEvent, Owner
 from tunerd.supervise.lifecycle import Lifecycle
 from tunerd.supervise.preflight import run_here
-from tunerd.tune.experiment import Phase, check
+from tunerd.tune.experiment import Experiment, Phase
 from tunerd.tune.memory import TuningMemory
 from tunerd.tune.prober import Prober
 from tunerd.tune.recall import Recall
@@ -57,26 +59,24 @@ class Exploration:
     explore_id: int
     params: tuple[str, ...]
     reason: str
-    step: Phase  # tune/experiment.py's table; changed only through `Explorer._enter`
-    since: float
+    experiment: Experiment  # its phases, its changes and their restarts (tune/experiment.py)
     search: Search | None = None
     point: tuple[str, Value] | None = None
-    restarts: int = 0
     measured: list[dict[str, Any]] = field(default_factory=list)
     recall: EngineParams | None = None  # a recall: the configuration the tuning memory proposes
     baseline_objective: float | None = None
-    plan: Future[PlanOutcome] | None = None  # the planner's verdict on the point, while PLANNING
     source: Source = "probe"  # what scores every point of this exploration, fixed at its start
     live: WindowStats | None = None  # live traffic's window before the search: the load a live score is of
     pending: tuple[ProbeResult | None, str | None] | None = None  # a probe done, the live window not yet
     defaults: dict[str, Value] = field(default_factory=dict)  # vLLM's values of the params not set at start
-    change_id: int | None = (
-        None  # the lifecycle's change in flight for this exploration (supervise/change.py)
-    )
 
     @property
-    def owner(self) -> Owner:
-        return "recall" if self.recall is not None else "explore"
+    def since(self) -> float:
+        return self.experiment.since
+
+    @property
+    def restarts(self) -> int:
+        return self.experiment.restarts
 
 
 class Explorer:
@@ -124,15 +124,19 @@ class Explorer:
         if self.life.engine.run is None or self.life.engine.run.ready_mono is None:
             return "vLLM is not serving"
         explore_id = self.memory.next_trial()
-        self.current = Exploration(
-            explore_id,
-            tuple(params),
-            reason,
-            check(Phase.NONE, Phase.BASELINE),
-            self.monotonic(),
-            recall=recall,
+        owner: Owner = "recall" if recall is not None else "explore"
+        experiment = Experiment(
+            self,
+            self.life,
+            owner=owner,
+            ref=explore_id,
+            submit=self.submit,
+            warmup_s=lambda: self.config().tuning.warmup_s,
+            count_restart=self.memory.count_restart,
         )
-        self.life.slot.hold(self.current.owner)
+        self.current = Exploration(explore_id, tuple(params), reason, experiment, recall=recall)
+        experiment.enter(Phase.BASELINE, self.monotonic())
+        self.life.slot.hold(owner)
         self.prober.request(f"exploration {explore_id}: the configuration in force", self._baseline)
         return None
 
@@ -224,77 +228,51 @@ class Explorer:
             self._to_best(now)
             return
         name, value = point
+        ex.point = point
         params = self.life.params.replace(**{**ex.search.best, name: value})
-        ex.point, plan = point, self.life.capacity.check
-        ex.plan = self.submit(lambda: plan(params))
-        self._enter(ex, Phase.PLANNING, now)
-
-    def _planned(self, ex: Exploration, now: float) -> None:
-        """The planner's verdict on the point: refused — infeasible, tabu, no restart — or restart."""
-        assert ex.plan is not None and ex.point is not None and ex.search is not None
-        try:
-            refusal = ex.plan.result().refusal
-        except Exception:  # the planner is advice: a bug in it does not stop the exploration
-            refusal = None
-        ex.plan = None
-        name, value = ex.point
-        if refusal is not None:
-            self._enter(ex, Phase.DECIDED, now)
-            self._record_point(ex, None, {"refused": refusal})
-            self.memory.add_tabu(name, value, f"the planner refused it: {refusal}")
-            self._next(now)
-            return
-        params = self.life.params.replace(**{**ex.search.best, name: value})
-        if not self._request(ex, params, f"exploration {ex.explore_id}: {name} = {value}"):
-            self._finish("the restart could not be announced")
-            return
-        self._restarted(ex, Phase.APPLYING, now)
-
-    def _request(self, ex: Exploration, params: EngineParams, reason: str) -> bool:
-        """Ask the lifecycle for the change; False when it could not be announced."""
-        ex.change_id = self.life.request(params, reason, ex.owner, ex.explore_id)
-        return ex.change_id is not None
-
-    def _end_change(self, ex: Exploration, *, keep: bool, reason: str, promote: bool = True) -> bool:
-        ended = ex.change_id is not None and self.life.slot.end(
-            ex.change_id, keep=keep, reason=reason, promote=promote
-        )
-        if ended and keep:
-            ex.change_id = None  # kept: nothing of it is in flight any more
-        return ended
-
-    def _outcome_pending(self, ex: Exploration) -> bool:
-        """Its change ended in the lifecycle (aborted, reverted) and the outcome is on the loop's queue:
-        nothing is decided about it until then."""
-        return ex.change_id is not None and not self.life.slot.holds(ex.change_id)
-
-    def _restarted(self, ex: Exploration, phase: Phase, now: float) -> None:
-        ex.restarts += 1
-        self.memory.count_restart()
-        self._enter(ex, phase, now)
-
-    def _enter(self, ex: Exploration, phase: Phase, now: float) -> None:
-        """The exploration's next phase, checked against tune/experiment.py's table."""
-        ex.step, ex.since = check(ex.step, phase), now
+        ex.experiment.plan(params, f"exploration {ex.explore_id}: {name} = {value}", now)
 
     def step(self, now: float) -> None:
-        ex = self.current
-        if ex is None or self._outcome_pending(ex):
-            return
-        if ex.step is Phase.PLANNING and ex.plan is not None and ex.plan.done():
-            self._planned(ex, now)
-        elif ex.step is Phase.MEASURING and ex.pending is not None and self._window_full(ex, now):
+        """Drive the exploration in progress (every loop tick)."""
+        if self.current is not None:
+            self.current.experiment.step(now)
+
+    # -- the exploration's judge (tune/experiment.py's Subject: its Experiment calls these) -----------
+
+    def on_refused(self, plan: PlanOutcome, now: float) -> None:
+        """The planner refused the point: infeasible, tabu, no restart; the next point."""
+        ex = self._current()
+        assert ex.point is not None
+        name, value = ex.point
+        self._record_point(ex, None, {"refused": plan.refusal})
+        self.memory.add_tabu(name, value, f"the planner refused it: {plan.refusal}")
+        self._next(now)
+
+    def on_accepted(self, plan: PlanOutcome) -> None:
+        """The point's restart follows; its `explore.point` is journaled once it is measured."""
+
+    def on_unannounced(self, now: float) -> None:
+        self._finish("the restart could not be announced")
+
+    def on_warm(self, now: float) -> None:
+        ex = self._current()
+        what = ex.point or "the recalled configuration"
+        self.prober.request(f"exploration {ex.explore_id}: {what}", self._measured, remember=False)
+
+    def on_measuring(self, now: float) -> None:
+        ex = self._current()
+        if ex.pending is not None and self._window_full(ex, now):
             (result, why), ex.pending = ex.pending, None
             self._scored(ex, result, why, now)
-        elif ex.step is Phase.WARMUP and now - ex.since >= self.config().tuning.warmup_s:
-            self._enter(ex, Phase.MEASURING, now)
-            what = ex.point or "the recalled configuration"
-            self.prober.request(f"exploration {ex.explore_id}: {what}", self._measured, remember=False)
+
+    def _current(self) -> Exploration:
+        assert self.current is not None
+        return self.current
 
     def _measured(self, result: ProbeResult | None, why: str | None) -> None:
         """The point's probe is done; scored now, or (live objective) once its live window is whole."""
         ex, now = self.current, self.monotonic()
-        if ex is None or ex.step is not Phase.MEASURING or self._outcome_pending(ex):
+        if ex is None or not ex.experiment.measuring:
             return
         if self._window_full(ex, now):
             self._scored(ex, result, why, now)
@@ -307,7 +285,7 @@ class Explorer:
 
     def _scored(self, ex: Exploration, result: ProbeResult | None, why: str | None, now: float) -> None:
         live = self.window(ex.since, now) if ex.source == "live" else None
-        self._enter(ex, Phase.DECIDED, now)
+        ex.experiment.decide(now)
         feasible, excess = self._probe_score(result) if result is not None else (None, None)
         objective, source = scored(self.goal(), ex.source, feasible, live)
         figures = result.as_dict() if result is not None else {"error": why}
@@ -318,7 +296,7 @@ class Explorer:
         if ex.point is None or ex.search is None:
             return
         self._record_point(ex, objective, figures, excess=excess, source=source, **extra)
-        self._end_change(ex, keep=True, reason="exploration point measured", promote=False)
+        ex.experiment.keep("exploration point measured", promote=False)
         self._next(now)
 
     def _record_point(
@@ -390,10 +368,8 @@ class Explorer:
         if self.memory.budget().left <= 0:
             self._finish("the restart budget is spent")
             return
-        if not self._request(ex, ex.recall, f"exploration {ex.explore_id}: {ex.reason}"):
+        if not ex.experiment.apply(ex.recall, f"exploration {ex.explore_id}: {ex.reason}", self.monotonic()):
             self._finish("the restart could not be announced")
-            return
-        self._restarted(ex, Phase.APPLYING, self.monotonic())
 
     def _recall_measured(
         self,
@@ -423,17 +399,12 @@ class Explorer:
             for name in ex.params:
                 self.recall.point(ex.recall, name, objective, figures, goal=goal, source=source, live=ex.live)
         if won:
-            self._end_change(
-                ex, keep=True, reason="exploration: the recalled configuration won", promote=False
-            )
+            ex.experiment.keep("exploration: the recalled configuration won", promote=False)
             self._finish("the recalled configuration won", promote=True)
             return
         self._recall_lost(ex, f"it did not beat the configuration in force by {tolerance:.0%}")
-        if self._end_change(
-            ex, keep=False, reason=f"exploration {ex.explore_id}: the recalled configuration lost"
-        ):
-            self._restarted(ex, Phase.REVERTING, self.monotonic())
-        else:
+        reason = f"exploration {ex.explore_id}: the recalled configuration lost"
+        if not ex.experiment.revert(reason, self.monotonic()):
             self._finish("the revert could not be started")
 
     def _recall_lost(self, ex: Exploration, why: str) -> None:
@@ -456,10 +427,8 @@ class Explorer:
             self._finish("done", promote=True)
             return
         reason = f"exploration {ex.explore_id}: the best point"
-        if not self._request(ex, best, reason):
+        if not ex.experiment.apply(best, reason, now, phase=Phase.FINISHING):
             self._finish("the restart to the best point could not be announced")
-            return
-        self._restarted(ex, Phase.FINISHING, now)
 
     def _finish(self, why: str, *, promote: bool = False, kept: bool = False) -> None:
         """The exploration is over. `promote`: the configuration in force becomes last-known-good now;
@@ -467,7 +436,7 @@ class Explorer:
         ex = self.current
         if ex is None:
             return
-        check(ex.step, Phase.NONE)
+        ex.experiment.end()
         self.current = None
         self.life.slot.release()
         best = dict(ex.search.best) if ex.search is not None else {}
@@ -496,44 +465,33 @@ class Explorer:
 
     def on_change(self, event: ChangeEvent) -> None:
         """The outcome of this exploration's change; one about an earlier change is ignored."""
-        ex = self.current
-        if ex is None or ex.change_id != event.change_id:
-            return
-        if event.outcome in (Outcome.REVERTED, Outcome.ABORTED):
-            ex.change_id = None  # the change is over
-        if event.outcome is Outcome.SERVING:
-            self._serving(ex, event.at)
-        elif event.outcome is Outcome.FAILED:
-            assert event.failure is not None
-            self._failed(ex, event.failure)
-        elif event.outcome is Outcome.REVERTED:
-            self._reverted(ex, event.run, event.failure)
-        else:
-            self._finish(f"aborted: {event.reason}")
+        if self.current is not None:
+            self.current.experiment.on_change(event)
 
-    def _serving(self, ex: Exploration, now: float) -> None:
-        if ex.step is Phase.FINISHING:
-            self._end_change(ex, keep=True, reason="exploration: the best point serves")
-            self._finish("done", kept=True)
-        elif ex.step is Phase.APPLYING:
-            self._enter(ex, Phase.WARMUP, now)
+    def on_served(self, now: float) -> None:
+        """The restart to the best point serves: it is kept (last-known-good), the exploration ends."""
+        self._current().experiment.keep("exploration: the best point serves")
+        self._finish("done", kept=True)
 
-    def _failed(self, ex: Exploration, failure: EngineFailure) -> None:
-        if ex.step is Phase.FINISHING:
+    def on_failed(self, failure: EngineFailure, now: float) -> None:
+        """A point's start failed (its Experiment is REVERTING: the lifecycle reverts at once): infeasible,
+        tabu. The best point's: the exploration ends."""
+        ex = self._current()
+        if ex.experiment.phase is Phase.FINISHING:
             self._finish(f"the best point failed to start: {failure.kind}")
             return
-        ex.restarts += 1  # the revert the lifecycle starts at once
-        self.memory.count_restart()
         if ex.recall is not None:
             self._recall_lost(ex, f"its start failed: {failure.kind}")
-            self._enter(ex, Phase.REVERTING, self.monotonic())
             return
-        self._enter(ex, Phase.REVERTING, self.monotonic())
         self._record_point(ex, None, {"failure": failure.as_dict()})
         if ex.point is not None:
             self.memory.add_tabu(ex.point[0], ex.point[1], f"its start failed in exploration: {failure.kind}")
 
-    def _reverted(self, ex: Exploration, run: EngineRun | None, failure: EngineFailure | None) -> None:
+    def on_aborted(self, reason: str) -> None:
+        self._finish(f"aborted: {reason}")
+
+    def on_reverted(self, run: EngineRun | None, failure: EngineFailure | None) -> None:
+        ex = self._current()
         if run is None:
             self._finish(f"the revert after a failed point failed: {failure.kind if failure else '?'}")
             return
@@ -549,7 +507,7 @@ class Explorer:
         return {
             "explore": ex.explore_id,
             "params": list(ex.params),
-            "step": ex.step.name.lower(),
+            "step": ex.experiment.phase.name.lower(),
             "step_s": round(now - ex.since, 1),
             "point": list(ex.point) if ex.point else None,
             "best": dict(ex.search.best) if ex.search is not None else None,

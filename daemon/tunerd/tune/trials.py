@@ -1,19 +1,42 @@
-"""What a tuning trial is, as the tuner (tune/tuner.py) keeps it: its phase (tune/experiment.py), its
-change, its windows and verdict; and the live knobs a trial may turn without a restart."""
+"""A rule's trial: the tuner's one change (tune/tuner.py), judged on like-with-like live evidence.
+
+A `Trial` is the `Subject` of its `Experiment` (tune/experiment.py), which runs the phases and the
+change (the planner, the request, the warm-up, the outcomes, keep or revert). The trial says what to
+apply — the proposal, by a restart or a live knob (the front door's in-flight cap: no planner, no
+restart, a revert that is one call) —, measures the *after* window, of the before window's length, of
+the change's run only, and judges it (policy/verdict.py): kept (the parameters become last-known-good
+and the new baseline) or reverted (the value goes tabu; a rule that keeps losing is muted). It tells
+its story in the journal: `trial.refused`, `trial.started`, `trial.extended`, `trial.decided`,
+`trial.ended`, `trial.aborted`.
+"""
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import structlog
+
+from tunerd.config import Config
 from tunerd.config.rules import Rule
+from tunerd.core.failures import EngineFailure
+from tunerd.engine.process import EngineRun
 from tunerd.policy.evidence import Point, WindowStats
+from tunerd.policy.rules import TermValue, eased, term_value
 from tunerd.policy.tunables import Proposal, Value
-from tunerd.policy.verdict import Verdict
+from tunerd.policy.verdict import Verdict, judge
+from tunerd.records.metrics import Metrics
+from tunerd.records.recorder import Recorder
 from tunerd.supervise.capacity import PlanOutcome
-from tunerd.tune.experiment import Phase
+from tunerd.supervise.lifecycle import Lifecycle
+from tunerd.tune.experiment import Experiment, Phase
+from tunerd.tune.memory import TuningMemory
+from tunerd.tune.recall import Recall
+
+log = structlog.get_logger("tunerd")
 
 
 class LiveKnobs(Protocol):
@@ -24,25 +47,270 @@ class LiveKnobs(Protocol):
     def set(self, name: str, value: Value | None, why: str) -> None: ...
 
 
-@dataclass
+@dataclass(frozen=True)
+class TrialContext:
+    """What every trial of one tuner reads and tells (built once by the tuner)."""
+
+    config: Callable[[], Config]
+    lifecycle: Lifecycle
+    recorder: Recorder
+    memory: TuningMemory
+    metrics: Metrics
+    submit: Callable[[Callable[[], PlanOutcome]], Future[PlanOutcome]]
+    window: Callable[[float, float], WindowStats | None]  # the serving run's window [start, end]
+    # The rules' window ending at the last poll at or before `end`, not before `not_before`.
+    rule_values: Callable[[float, float], dict[str, float | None]]
+    on_kept: Callable[[str], None]  # a change was kept: the probe's figures join the new baseline
+    recall: Recall | None = None
+    knobs: LiveKnobs | None = None
+
+
 class Trial:
-    trial_id: int
-    rule: Rule
-    proposal: Proposal
-    before: WindowStats
-    before_values: dict[str, float | None]
-    phase: Phase  # tune/experiment.py's table; changed only through the tuner's `_enter`
-    phase_since: float
-    plan: Future[PlanOutcome] | None = None
-    change_id: int | None = None  # the lifecycle's change (supervise/change.py), once requested
-    window_start: float | None = None
-    extended: bool = False
-    verdict: Verdict | None = None
-    after: WindowStats | None = None
+    """One rule's trial, from its planning to its end (`over`)."""
+
+    def __init__(
+        self,
+        ctx: TrialContext,
+        trial_id: int,
+        rule: Rule,
+        proposal: Proposal,
+        before: WindowStats,
+        before_values: dict[str, float | None],
+    ) -> None:
+        self.ctx = ctx
+        self.trial_id = trial_id
+        self.rule = rule
+        self.proposal = proposal
+        self.before = before
+        self.before_values = before_values  # the rule's window where it fired
+        self.window_start: float | None = None
+        self.extended = False
+        self.verdict: Verdict | None = None
+        self.after: WindowStats | None = None
+        self.experiment = Experiment(
+            self,
+            ctx.lifecycle,
+            owner="trial",
+            ref=trial_id,
+            submit=ctx.submit,
+            warmup_s=lambda: ctx.config().tuning.warmup_s,
+            count_restart=ctx.memory.count_restart,
+            on_phase=self._publish_phase,
+        )
+        self.over = False
+
+    @property
+    def phase(self) -> Phase:
+        return self.experiment.phase
+
+    @property
+    def phase_since(self) -> float:
+        return self.experiment.since
 
     def describe(self) -> dict[str, Any]:
         p = self.proposal
         return {"trial": self.trial_id, "rule": self.rule.name, "param": p.param, "old": p.old, "new": p.new}
+
+    def start(self, now: float) -> None:
+        """A restart's change is planned first (a refusal costs no restart); a live knob's applies now."""
+        p = self.proposal
+        if not p.live:
+            self.experiment.plan(p.params, f"rule {self.rule.name}: {p.param} {p.old} → {p.new}", now)
+            return
+        knobs = self.ctx.knobs
+        assert knobs is not None
+        self.ctx.recorder.record(
+            "trial.started",
+            **self.describe(),
+            restart=False,
+            notes=list(p.notes),
+            before=self.before.as_dict(),
+        )
+        why = f"trial {self.trial_id} (rule {self.rule.name})"
+        self.experiment.apply_live(lambda: knobs.set(p.param, p.new, why), now)
+
+    # -- tune/experiment.py's Subject: its Experiment calls these -----------------------------------
+
+    def on_refused(self, plan: PlanOutcome, now: float) -> None:
+        """The planner refused the change: no restart; the value goes tabu."""
+        p = self.proposal
+        self.ctx.recorder.record("trial.refused", **self.describe(), reason=plan.refusal, plan=plan.figures)
+        self.ctx.memory.add_tabu(p.param, p.new, f"the planner refused it: {plan.refusal}")
+        self._count("refused")
+        self._end()
+
+    def on_accepted(self, plan: PlanOutcome) -> None:
+        p = self.proposal
+        self.ctx.recorder.record(
+            "trial.started",
+            **self.describe(),
+            params_before=self.ctx.lifecycle.params,
+            params_after=p.params,
+            notes=list(p.notes),
+            before=self.before.as_dict(),
+            plan={k: plan.figures.get(k) for k in ("band", "ratio", "kv_cache_tokens") if k in plan.figures},
+        )
+
+    def on_unannounced(self, now: float) -> None:
+        self.ctx.recorder.record(
+            "trial.aborted", **self.describe(), reason="the restart could not be announced"
+        )
+        self._end()
+
+    def on_warm(self, now: float) -> None:
+        self.window_start = now  # the after window opens
+
+    def on_measuring(self, now: float) -> None:
+        """The after window, as long as the before window (longer once extended), then the verdict."""
+        tuning = self.ctx.config().tuning
+        assert self.window_start is not None
+        length = tuning.window_s + (tuning.max_extend_s if self.extended else 0.0)
+        if now - self.window_start >= length:
+            self._decide(now)
+
+    def on_served(self, now: float) -> None:
+        """Not a trial's: a trial never restarts to a best point (FINISHING)."""
+
+    def on_failed(self, failure: EngineFailure, now: float) -> None:
+        """Its start or run failed: a loss; the lifecycle reverts at once (its Experiment: REVERTING)."""
+        self.ctx.recorder.record(
+            "trial.decided",
+            **self.describe(),
+            decision="failed",
+            reason=f"the start with the change failed: {failure.kind}",
+            failure=failure.as_dict(),
+            before=self.before.as_dict(),
+        )
+        self._lost(f"failed: {failure.kind}")
+        if self.ctx.recall is not None:
+            p = self.proposal
+            self.ctx.recall.trial(
+                p.params, p.param, "failed", self.before, f"its start failed: {failure.kind}"
+            )
+        self._count("failed")
+
+    def on_reverted(self, run: EngineRun | None, failure: EngineFailure | None) -> None:
+        if run is not None:
+            self.ctx.recorder.record("trial.ended", **self.describe(), outcome="reverted", params=run.params)
+        else:
+            detail = failure.as_dict() if failure is not None else None
+            self.ctx.recorder.record(
+                "trial.ended", **self.describe(), outcome="revert failed", failure=detail
+            )
+        self._end()
+
+    def on_aborted(self, reason: str) -> None:
+        self.ctx.recorder.record("trial.aborted", **self.describe(), reason=reason)
+        self._count("aborted")
+        self._end()
+
+    # -- the verdict ---------------------------------------------------------------------------------
+
+    def _decide(self, now: float) -> None:
+        assert self.window_start is not None
+        ctx, rule = self.ctx, self.rule
+        tuning = ctx.config().tuning
+        after = ctx.window(self.window_start, now)
+        if after is None:
+            verdict = Verdict("revert", "no evidence: too few samples in the after window")
+        else:
+            # The rule's window at the end of the after window (never before its start: one run's
+            # polls, past the warm-up), as before_values was the rule's window where it fired.
+            after_values = ctx.rule_values(now, self.window_start)
+            terms_before = self._terms(rule, self.before_values)
+            terms_after = self._terms(rule, after_values)
+            verdict = judge(
+                self.before,
+                after,
+                tuning=tuning,
+                purpose=rule.purpose,
+                eased=eased(rule, terms_before, terms_after, tuning.tolerance),
+                extended=self.extended,
+            )
+        if verdict.decision == "extend":
+            self.extended = True
+            ctx.recorder.record(
+                "trial.extended", **self.describe(), reason=verdict.reason, by_s=tuning.max_extend_s
+            )
+            return
+        self.verdict, self.after = verdict, after
+        self.experiment.decide(now)
+        decision = "kept" if verdict.decision == "keep" else "reverted"
+        ctx.recorder.record(
+            "trial.decided",
+            **self.describe(),
+            decision=decision,
+            reason=verdict.reason,
+            objective=verdict.objective,
+            objective_unit=verdict.unit or None,
+            objective_before=verdict.before,
+            objective_after=verdict.after,
+            ratio_interval_90=list(verdict.interval) if verdict.interval else None,
+            inconclusive=verdict.inconclusive,
+            before=self.before.as_dict(),
+            after=after.as_dict() if after is not None else None,
+        )
+        log.info("trial.decided", **self.describe(), decision=decision, reason=verdict.reason)
+        p = self.proposal
+        if ctx.recall is not None:
+            ctx.recall.trial(p.params, p.param, verdict.decision, self.before, verdict.reason, verdict)
+        if verdict.decision == "keep":
+            self._kept(after)
+        else:
+            self._reverted(verdict, now)
+
+    def _kept(self, after: WindowStats | None) -> None:
+        ctx, p = self.ctx, self.proposal
+        if not p.live:
+            self.experiment.keep(self.verdict.reason if self.verdict else "kept")
+        ctx.memory.kept(self.trial_id, self.rule.name, p.param, p.old, p.new)
+        if after is not None:
+            # The rule's window at the end of the after window: what relative terms will compare with.
+            values = ctx.rule_values(after.end, after.start)
+            ctx.memory.set_baseline(values, f"trial {self.trial_id} kept")
+            ctx.on_kept(f"trial {self.trial_id} kept")
+        self._count("kept")
+        self._end()
+
+    def _reverted(self, verdict: Verdict, now: float) -> None:
+        self._lost(f"reverted: {verdict.reason}")
+        self._count("reverted")
+        p = self.proposal
+        if p.live:  # back at once, no restart
+            assert self.ctx.knobs is not None
+            self.ctx.knobs.set(p.param, p.old, f"trial {self.trial_id} reverted")
+            self.ctx.recorder.record("trial.ended", **self.describe(), outcome="reverted", restart=False)
+            self._end()
+            return
+        if not self.experiment.revert(f"trial {self.trial_id} reverted: {verdict.reason}", now):
+            # Not started (its intent could not be made durable): the trial waits for its change's
+            # outcome as a started revert's would (an operator restart or a reload ends it).
+            self.experiment.enter(Phase.REVERTING, now)
+
+    def _lost(self, why: str) -> None:
+        """The change lost (reverted or failed): its value goes tabu; a rule that keeps losing is muted."""
+        memory, p = self.ctx.memory, self.proposal
+        memory.add_tabu(p.param, p.new, why)
+        losses = memory.lost(self.rule.name)
+        if losses >= self.ctx.config().tuning.mute_after_losses:
+            memory.mute(self.rule.name, f"{losses} trials in a row lost")
+
+    def _terms(self, rule: Rule, values: Mapping[str, float | None]) -> tuple[TermValue, ...]:
+        baseline = self.ctx.memory.baseline
+        return tuple(term_value(term, values, baseline, False, 0.0) for term in rule.terms)
+
+    def _count(self, outcome: str) -> None:
+        self.ctx.metrics.trials.labels(outcome=outcome).inc()
+
+    def _end(self) -> None:
+        """The trial is over: its experiment's phase is NONE (exported); the tuner lets it go."""
+        self.experiment.end()
+        self.over = True
+
+    def _publish_phase(self, phase: Phase) -> None:
+        """Export the trial's phase (`tunerd_trial_phase`) and the restart budget left."""
+        self.ctx.metrics.trial_phase.set(phase)
+        self.ctx.metrics.restart_budget.set(self.ctx.memory.budget().left)
 
 
 @dataclass

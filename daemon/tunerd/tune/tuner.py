@@ -1,9 +1,10 @@
 """The tuning loop: rules fire, the tuner proposes one change, runs it as a trial through the lifecycle's
 normal start path, decides keep or revert from like-with-like evidence, and tells the story in the journal.
 
-A stateful peer of the lifecycle, driven by the main loop (`on_poll` every poll, `step` every tick); it
-asks the lifecycle for a change (`Lifecycle.request`, decided with `ChangeSlot.end`) and learns its
-outcome as a `ChangeEvent` the loop delivers (`on_change`). Every decision is pure and lives in
+A stateful peer of the lifecycle, driven by the main loop (`on_poll` every poll, `step` every tick); its
+trial's experiment asks the lifecycle for the change (`Lifecycle.request`, decided with `ChangeSlot.end`)
+and learns its outcome as a `ChangeEvent` the loop delivers (`on_change`, handed to the trial's or the
+exploration's experiment). Every decision is pure and lives in
 `tunerd.policy`: rule evaluation (`rules`), what a fired rule does (`fired`), the proposal (`tunables`),
 the gates (`gates`), the evidence (`evidence`) and the verdict (`verdict`).
 
@@ -14,10 +15,12 @@ last-known-good and the new baseline) or revert (a restart like any other; the v
 live knob's trial (the front door's in-flight cap) changes it on the running daemon instead of
 restarting: no planner, no restart, the same windows and verdict, a revert that is one call.
 
-The second mode, exploration, is `explorer`'s (started by `explore_triggers`); the proposal is
-`proposer`'s; the probe is `prober`'s. Over 400 lines on purpose: one state machine (rules → proposal
-→ trial phases, checked against tune/experiment.py's table → verdict) that reads in order; its
-decisions are the policy modules', its memory is `tune.memory`'s.
+A trial is `trials.Trial`'s: the judge of the one change, whose phases and change its `Experiment`
+runs (tune/experiment.py); the tuner is its source: it evaluates the rules, asks `policy.fired.decide`
+what a fired rule does, proposes the change (`proposer`), and keeps the windows the trial measures.
+The second mode, exploration, is `explorer`'s (started by `explore_triggers`); the probe is
+`prober`'s. Over 400 lines (about 430): the rules, the baselines and the start of a trial read in order
+as one source of changes; its decisions are the policy modules', its memory is `tune.memory`'s.
 """
 
 from __future__ import annotations
@@ -32,7 +35,6 @@ import structlog
 
 from tunerd.config import Config
 from tunerd.config.rules import Rule, RuleSet
-from tunerd.core.failures import EngineFailure
 from tunerd.core.states import EngineState
 from tunerd.engine.process import EngineRun
 from tunerd.observe.poller import PollSample
@@ -40,23 +42,21 @@ from tunerd.observe.probe import ProbeResult
 from tunerd.policy.evidence import Point, WindowStats, signal_values, window_signals, window_stats
 from tunerd.policy.fired import Act, Alert, Defer, Facts, Mute, decide
 from tunerd.policy.gates import window_open
-from tunerd.policy.rules import RuleState, TermValue, eased, evaluate, term_value
+from tunerd.policy.rules import RuleState, TermValue, evaluate
 from tunerd.policy.tunables import NoProposal, Proposal
-from tunerd.policy.verdict import Verdict, judge
 from tunerd.records.metrics import Metrics
 from tunerd.records.recorder import Recorder
 from tunerd.records.state import DaemonState
 from tunerd.supervise.capacity import PlanOutcome
-from tunerd.supervise.change import ChangeEvent, Outcome
+from tunerd.supervise.change import ChangeEvent
 from tunerd.supervise.lifecycle import Lifecycle
-from tunerd.tune.experiment import Phase, check
 from tunerd.tune.explore_triggers import ExploreTriggers
 from tunerd.tune.explorer import Explorer
 from tunerd.tune.memory import TuningMemory
 from tunerd.tune.prober import Prober
 from tunerd.tune.proposer import Proposer
 from tunerd.tune.recall import Recall
-from tunerd.tune.trials import LiveKnobs, RunSamples, Trial
+from tunerd.tune.trials import LiveKnobs, RunSamples, Trial, TrialContext
 
 log = structlog.get_logger("tunerd")
 
@@ -104,6 +104,19 @@ class Tuner:
         self.recall = recall
         self.knobs = knobs
         self.proposer = Proposer(lifecycle, self.memory, knobs, lambda: self.config)
+        self._trial_ctx = TrialContext(
+            config=lambda: self.config,
+            lifecycle=lifecycle,
+            recorder=recorder,
+            memory=self.memory,
+            metrics=metrics,
+            submit=submit,
+            window=self._window,
+            rule_values=self._rule_values,
+            on_kept=self._probe_for_baseline,
+            recall=recall,
+            knobs=knobs,
+        )
         self.explorer = (
             Explorer(
                 lambda: self.config,
@@ -340,17 +353,10 @@ class Tuner:
                 mode="dry-run: nothing changes",
             )
             return
-        trial_id = self.memory.next_trial()
-        fits = self.life.capacity.check
-        params = proposal.params
-        plan = None if proposal.live else self.submit(lambda: fits(params))
-        phase = check(Phase.NONE, Phase.PLANNING)
-        self.trial = Trial(trial_id, rule, proposal, before, before_values, phase, now, plan)
-        self._publish_phase()
-        if proposal.live:  # no restart, nothing for the planner: the change applies at once
-            self._apply_live(self.trial, now)
+        self.trial = Trial(self._trial_ctx, self.memory.next_trial(), rule, proposal, before, before_values)
+        self.trial.start(now)
 
-    # -- trial phases ------------------------------------------------------------------------------
+    # -- the loop's step -----------------------------------------------------------------------------
 
     def step(self, now: float) -> None:
         """Drive the trial or the exploration in progress (every loop tick)."""
@@ -359,184 +365,9 @@ class Tuner:
             run = self.life.engine.run
             settled = run is not None and run.ready_mono is not None and self._settled(run, now)
             self.triggers.step(now, settled)
-        trial = self.trial
-        if trial is None:
-            return
-        if trial.change_id is not None and not self.life.slot.holds(trial.change_id):
-            return  # its change ended (aborted, reverted): the outcome is on the loop's queue
-        tuning = self.config.tuning
-        if trial.phase is Phase.PLANNING and trial.plan is not None and trial.plan.done():
-            self._planned(trial, now)
-        elif trial.phase is Phase.WARMUP and now - trial.phase_since >= tuning.warmup_s:
-            self._enter(trial, Phase.MEASURING, now)
-            trial.window_start = now
-        elif trial.phase is Phase.MEASURING:
-            assert trial.window_start is not None
-            length = tuning.window_s + (tuning.max_extend_s if trial.extended else 0.0)
-            if now - trial.window_start >= length:
-                self._decide(trial, now)
-
-    def _planned(self, trial: Trial, now: float) -> None:
-        assert trial.plan is not None
-        try:
-            outcome = trial.plan.result()
-        except Exception as exc:  # the planner is advice: a bug in it does not stop the trial
-            outcome = PlanOutcome(None, {"planner": f"no plan: {type(exc).__name__}: {exc}"})
-        p = trial.proposal
-        if outcome.refusal is not None:
-            self.rec.record("trial.refused", **trial.describe(), reason=outcome.refusal, plan=outcome.figures)
-            self.memory.add_tabu(p.param, p.new, f"the planner refused it: {outcome.refusal}")
-            self.metrics.trials.labels(outcome="refused").inc()
-            self._end()
-            return
-        reason = f"rule {trial.rule.name}: {p.param} {p.old} → {p.new}"
-        self.rec.record(
-            "trial.started",
-            **trial.describe(),
-            params_before=self.life.params,
-            params_after=p.params,
-            notes=list(p.notes),
-            before=trial.before.as_dict(),
-            plan={
-                k: outcome.figures.get(k)
-                for k in ("band", "ratio", "kv_cache_tokens")
-                if k in outcome.figures
-            },
-        )
-        trial.change_id = self.life.request(p.params, reason, "trial", trial.trial_id)
-        if trial.change_id is None:
-            self.rec.record("trial.aborted", **trial.describe(), reason="the restart could not be announced")
-            self._end()
-            return
-        self.memory.count_restart()
-        self._publish_phase()
-        self._enter(trial, Phase.APPLYING, now)
-
-    def _apply_live(self, trial: Trial, now: float) -> None:
-        """A live knob's trial: the change now, on the running daemon; then warm-up and the after window
-        as for any trial."""
-        assert self.knobs is not None
-        p = trial.proposal
-        self.rec.record(
-            "trial.started",
-            **trial.describe(),
-            restart=False,
-            notes=list(p.notes),
-            before=trial.before.as_dict(),
-        )
-        self._enter(trial, Phase.APPLYING, now)
-        self.knobs.set(p.param, p.new, f"trial {trial.trial_id} (rule {trial.rule.name})")
-        self._enter(trial, Phase.WARMUP, now)
-
-    def _decide(self, trial: Trial, now: float) -> None:
-        assert trial.window_start is not None
-        tuning = self.config.tuning
-        after = self._window(trial.window_start, now)
-        rule = trial.rule
-        if after is None:
-            verdict = Verdict("revert", "no evidence: too few samples in the after window")
-        else:
-            # The rule's window at the end of the after window (never before its start: one run's
-            # polls, past the warm-up), as before_values was the rule's window where it fired.
-            after_values = self._rule_values(now, not_before=trial.window_start)
-            terms_before = self._terms(rule, trial.before_values)
-            terms_after = self._terms(rule, after_values)
-            verdict = judge(
-                trial.before,
-                after,
-                tuning=tuning,
-                purpose=rule.purpose,
-                eased=eased(rule, terms_before, terms_after, tuning.tolerance),
-                extended=trial.extended,
-            )
-        if verdict.decision == "extend":
-            trial.extended = True
-            self.rec.record(
-                "trial.extended", **trial.describe(), reason=verdict.reason, by_s=tuning.max_extend_s
-            )
-            return
-        trial.verdict, trial.after = verdict, after
-        self._enter(trial, Phase.DECIDED, now)
-        decision = "kept" if verdict.decision == "keep" else "reverted"
-        self.rec.record(
-            "trial.decided",
-            **trial.describe(),
-            decision=decision,
-            reason=verdict.reason,
-            objective=verdict.objective,
-            objective_unit=verdict.unit or None,
-            objective_before=verdict.before,
-            objective_after=verdict.after,
-            ratio_interval_90=list(verdict.interval) if verdict.interval else None,
-            inconclusive=verdict.inconclusive,
-            before=trial.before.as_dict(),
-            after=after.as_dict() if after is not None else None,
-        )
-        log.info("trial.decided", **trial.describe(), decision=decision, reason=verdict.reason)
-        if self.recall is not None:
-            p = trial.proposal
-            self.recall.trial(p.params, p.param, verdict.decision, trial.before, verdict.reason, verdict)
-        if verdict.decision == "keep":
-            self._kept(trial, after)
-            return
-        self._lost(trial, f"reverted: {verdict.reason}")
-        self.metrics.trials.labels(outcome="reverted").inc()
-        if trial.proposal.live:  # back at once, no restart
-            assert self.knobs is not None
-            p = trial.proposal
-            self.knobs.set(p.param, p.old, f"trial {trial.trial_id} reverted")
-            self.rec.record("trial.ended", **trial.describe(), outcome="reverted", restart=False)
-            self._end()
-            return
-        assert trial.change_id is not None
-        reason = f"trial {trial.trial_id} reverted: {verdict.reason}"
-        if self.life.slot.end(trial.change_id, keep=False, reason=reason):
-            self.memory.count_restart()
-        self._publish_phase()
-        self._enter(trial, Phase.REVERTING, now)
-
-    def _kept(self, trial: Trial, after: WindowStats | None) -> None:
-        p = trial.proposal
-        if not p.live:
-            assert trial.change_id is not None
-            reason = trial.verdict.reason if trial.verdict else "kept"
-            self.life.slot.end(trial.change_id, keep=True, reason=reason)
-        self.memory.kept(trial.trial_id, trial.rule.name, p.param, p.old, p.new)
-        if after is not None:
-            # The rule's window at the end of the after window: what relative terms will compare with.
-            values = self._rule_values(after.end, not_before=after.start)
-            self.memory.set_baseline(values, f"trial {trial.trial_id} kept")
-            self._probe_for_baseline(f"trial {trial.trial_id} kept")
-        self.metrics.trials.labels(outcome="kept").inc()
-        self._end()
-
-    def _lost(self, trial: Trial, why: str) -> None:
-        """The change lost (reverted or failed): its value goes tabu; a rule that keeps losing is muted."""
-        p, rule = trial.proposal, trial.rule
-        self.memory.add_tabu(p.param, p.new, why)
-        losses = self.memory.lost(rule.name)
-        if losses >= self.config.tuning.mute_after_losses:
-            self.memory.mute(rule.name, f"{losses} trials in a row lost")
-
-    def _terms(self, rule: Rule, values: Mapping[str, float | None]) -> tuple[TermValue, ...]:
-        return tuple(term_value(term, values, self.memory.baseline, False, 0.0) for term in rule.terms)
-
-    def _enter(self, trial: Trial, phase: Phase, now: float) -> None:
-        """The trial's next phase, checked against tune/experiment.py's table."""
-        trial.phase, trial.phase_since = check(trial.phase, phase), now
-        self._publish_phase()
-
-    def _end(self) -> None:
         if self.trial is not None:
-            check(self.trial.phase, Phase.NONE)
-        self.trial = None
-        self._publish_phase()
-
-    def _publish_phase(self) -> None:
-        self.metrics.trial_phase.set(self.trial.phase if self.trial is not None else Phase.NONE)
-        self.metrics.restart_budget.set(self.memory.budget().left)
-
-    # -- what became of the change (ChangeEvent, from the loop's queue) -----------------------------
+            self.trial.experiment.step(now)
+            self._let_go()
 
     def _probe_for_baseline(self, why: str) -> None:
         """The probe's figures join the baseline (the 30 % rule works from them where live load is not
@@ -550,54 +381,22 @@ class Tuner:
 
         self.prober.request(f"baseline: {why}", done)
 
+    # -- what became of the change (ChangeEvent, from the loop's queue) -----------------------------
+
     def on_change(self, event: ChangeEvent) -> None:
         """The outcome of a change this tuner requested: an exploration's goes to the explorer, a trial's
         is handled here; one about an earlier change (superseded, ended) is ignored."""
         if event.owner != "trial":
             if self.explorer is not None:
                 self.explorer.on_change(event)
-            return
-        trial = self.trial
-        if trial is None or trial.change_id != event.change_id:
-            return
-        if event.outcome is Outcome.SERVING:
-            if trial.phase is Phase.APPLYING:
-                self._enter(trial, Phase.WARMUP, event.at)
-        elif event.outcome is Outcome.FAILED:
-            assert event.failure is not None
-            self._trial_failed(trial, event.failure, event.at)
-        elif event.outcome is Outcome.REVERTED:
-            self._trial_reverted(trial, event.run, event.failure)
-        else:
-            self.rec.record("trial.aborted", **trial.describe(), reason=event.reason)
-            self.metrics.trials.labels(outcome="aborted").inc()
-            self._end()
+        elif self.trial is not None:
+            self.trial.experiment.on_change(event)
+            self._let_go()
 
-    def _trial_failed(self, trial: Trial, failure: EngineFailure, now: float) -> None:
-        self.rec.record(
-            "trial.decided",
-            **trial.describe(),
-            decision="failed",
-            reason=f"the start with the change failed: {failure.kind}",
-            failure=failure.as_dict(),
-            before=trial.before.as_dict(),
-        )
-        self._lost(trial, f"failed: {failure.kind}")
-        if self.recall is not None:
-            p = trial.proposal
-            self.recall.trial(p.params, p.param, "failed", trial.before, f"its start failed: {failure.kind}")
-        self.metrics.trials.labels(outcome="failed").inc()
-        self.memory.count_restart()
-        self._publish_phase()  # the revert the lifecycle started at once
-        self._enter(trial, Phase.REVERTING, now)
-
-    def _trial_reverted(self, trial: Trial, run: EngineRun | None, failure: EngineFailure | None) -> None:
-        if run is not None:
-            self.rec.record("trial.ended", **trial.describe(), outcome="reverted", params=run.params)
-        else:
-            detail = failure.as_dict() if failure is not None else None
-            self.rec.record("trial.ended", **trial.describe(), outcome="revert failed", failure=detail)
-        self._end()
+    def _let_go(self) -> None:
+        """A trial that is over is let go: the rules are evaluated again."""
+        if self.trial is not None and self.trial.over:
+            self.trial = None
 
     def _first_probe_baseline(self) -> None:
         """The first start's probe baseline, when live traffic is no busier than the periodic probe
