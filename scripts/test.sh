@@ -29,6 +29,6 @@ export TUNERD_REQUIRE_ENGINE=1
 export TUNERD_REQUIRE_SYSTEM=1
 export TUNERD_REQUIRE_PROMTOOL=1  # the alert rules are checked with promtool (fetched if missing)
 # Two workers (pytest-xdist): the engine tier (real vLLM, ~3/4 of the time) on one, in its own order, the
-# rest beside it; the system tier's container stays on one worker (tests/conftest.py: XDIST_GROUPS). The
+# rest beside it; the system tier's container stays on one worker (tests/conftest.py: TierScheduling). The
 # box's two cores are about half idle in a serial run (vLLM's starts and the tiers' waits).
-exec .venv/bin/pytest -n 2 --dist loadgroup --durations=30 tests/engine tests/system tests/unit tests/integration "$@"
+exec .venv/bin/pytest -n 2 --durations=30 tests/engine tests/system tests/unit tests/integration "$@"

@@ -6,8 +6,10 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+from xdist.scheduler import LoadScopeScheduling
 
 from tests.harness import REPO
 
@@ -28,19 +30,25 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # -- parallel runs (pytest-xdist) and the figures tests print --------------------------------------------
 
 # Tests that must share one worker: each tier's session fixtures are one real thing (the engine tier's vLLM
-# daemons and their ordering, conftest._engine_order; the system tier's one nspawn container), and two
-# copies of them on a 2-core box would only fight. `--dist loadgroup` (scripts/test.sh) runs each group on
-# one worker, in collection order, beside the rest of the suite on the other.
-XDIST_GROUPS = {"engine": REPO / "tests" / "engine", "system": REPO / "tests" / "system"}
+# daemons and their order, tests/engine/conftest._engine_order; the system tier's one nspawn container),
+# and two copies of them on a 2-core box would only fight. Under `-n 2` (scripts/test.sh) each of these
+# tiers runs on one worker, in collection order, beside the rest of the suite spread over both.
+# (A scheduler by path, not xdist's `xdist_group` marks: pytest 9.2 derives `nodeid` from `_id`, so
+# xdist 3.8's loadgroup, which renames `_nodeid`, no longer groups anything.)
+WORKER_GROUPS = ("tests/engine/", "tests/system/")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        path = Path(str(item.fspath))
-        for group, root in XDIST_GROUPS.items():
-            if path.is_relative_to(root):
-                item.add_marker(pytest.mark.xdist_group(group))
+class TierScheduling(LoadScopeScheduling):
+    """xdist's scope scheduling with one scope per tier of WORKER_GROUPS and one per test elsewhere; the
+    largest scope (the engine tier) is handed out first."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return next((group for group in WORKER_GROUPS if nodeid.startswith(group)), nodeid)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> TierScheduling | None:
+    """Under `-n N` (xdist's default `--dist load`), schedule by tier; another `--dist` is left as asked."""
+    return TierScheduling(config, log) if config.getvalue("dist") == "load" else None
 
 
 @pytest.fixture
