@@ -26,7 +26,7 @@ def meter(
     *, sse: bool, first: float | None, last: float, events: int = 0, tail: bytes = b"", waited: float = 0.0
 ) -> _Meter:
     m = _Meter()
-    m.sse, m.first, m.last, m.events, m.tail, m.waited = sse, first, last, events, (b"", tail), waited
+    m.sse, m.first, m.last, m.events, m.tail, m.waited = sse, first, last, events, tail, waited
     m.upstream_ttft = None if first is None else first - ARRIVED - waited
     return m
 

@@ -94,10 +94,10 @@ class _ClientGone(Exception):
 class _Meter:
     """One generation request's timings as it goes (door's loop only): filled by `_forward`, turned into a
     `RequestSample` (core/slo.py) when the answer ends. `first`/`last`: monotonic times of the first and
-    the latest body bytes; `events`: SSE `data: ` events seen; `tail`: the last two body chunks (kept by
-    reference; vLLM's `usage` is in the answer's last event or object, read once at the end)."""
+    the latest body bytes; `events`: SSE `data: ` events seen; `tail`/`prev`: the last two body chunks
+    (kept by reference; vLLM's `usage` is in the answer's last event or object, read once at the end)."""
 
-    __slots__ = ("events", "first", "gone", "last", "ok", "sse", "tail", "upstream_ttft", "waited")
+    __slots__ = ("events", "first", "gone", "last", "ok", "prev", "sse", "tail", "upstream_ttft", "waited")
 
     def __init__(self) -> None:
         self.waited = 0.0
@@ -108,11 +108,12 @@ class _Meter:
         self.events = 0
         self.sse = False
         self.ok = True
-        self.tail: tuple[bytes, bytes] = (b"", b"")
+        self.prev = self.tail = b""
 
     def sample(self, arrived: float, done: float) -> RequestSample:
         """What the request measured (see core/slo.py for how each figure counts)."""
-        tokens = usage_tokens(self.tail[0] + self.tail[1]) if self.first is not None else None
+        # `usage` ends the answer (a few hundred bytes): at most 8 KiB are copied, once a request.
+        tokens = usage_tokens(self.prev[-4096:] + self.tail[-4096:]) if self.first is not None else None
         exact = tokens is not None
         if tokens is None and self.sse and self.first is not None:
             # No `usage` (the client did not ask for stream_options.include_usage): count token events,
@@ -205,7 +206,7 @@ class Proxy:
         cut_epoch: int | None = None
         replays = 0
         while True:
-            waiting_since = time.monotonic()
+            waiting_since = time.monotonic() if meter is not None else 0.0
             try:
                 granted = self.gate.acquire(seq, cut_epoch)
                 ticket = granted if isinstance(granted, Ticket) else await self.gate.wait(granted)
@@ -336,7 +337,7 @@ class Proxy:
                     if first:
                         meter.first = meter.last = time.monotonic()
                         meter.events = first.count(b"data: ")
-                        meter.tail = (b"", first)
+                        meter.tail = first
                 tail = first[-len(DONE) :]
                 if sse and ENGINE_DEAD in first:
                     self.metrics.count("stream_cut")
@@ -350,7 +351,7 @@ class Proxy:
                         if meter.first is None:
                             meter.first = meter.last
                         meter.events += chunk.count(b"data: ")
-                        meter.tail = (meter.tail[1], chunk)
+                        meter.prev, meter.tail = meter.tail, chunk
                     if sse and ENGINE_DEAD in chunk:
                         self.metrics.count("stream_cut")  # vLLM ended it cleanly itself: error event, [DONE]
                         if meter is not None:
