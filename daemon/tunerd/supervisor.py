@@ -18,6 +18,7 @@ import signal
 import time
 import traceback
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
@@ -30,14 +31,15 @@ from tunerd.config.rules import RuleSet
 from tunerd.core.commands import Command
 from tunerd.core.machine import MemoryReading
 from tunerd.core.params import EngineParams
+from tunerd.core.slo import SloWindow, readings
 from tunerd.core.states import EngineState
-from tunerd.door import Door
+from tunerd.door import Door, DoorRequests
 from tunerd.engine.launch import build_env
 from tunerd.engine.oscalls import OsCalls
 from tunerd.faces.http import Exporter
 from tunerd.faces.logs import configure_logging
 from tunerd.faces.operator import OperatorSocket
-from tunerd.faces.status import DaemonFacts, build_status, tuning_status
+from tunerd.faces.status import DaemonFacts, build_status, objective_status, tuning_status
 from tunerd.faces.systemd import Notifier
 from tunerd.observe.health import HealthResult
 from tunerd.observe.identity import Capabilities, EngineIdentity, probe_capabilities
@@ -101,6 +103,7 @@ class Supervisor:
         self.store = StateStore(config.paths.state_file)
         self.jobs = ObserveJobs(self.events, config)
         self.window = SignalWindow(config.observe.window_s)
+        self.slo = SloWindow(config.observe.window_s, started=monotonic())  # the door's recent requests
         self.signals: Mapping[str, float | None] = {}  # the window returns a fresh mapping per poll
         self.exporter: Exporter | None = None
         self.operator: OperatorSocket | None = None
@@ -363,6 +366,8 @@ class Supervisor:
         elif isinstance(event, ChangeEvent):
             assert self.tuner is not None
             self.tuner.on_change(event)  # to the trial or the exploration that requested it
+        elif isinstance(event, DoorRequests):
+            self.slo.add(event.samples)
         elif isinstance(event, DOOR_EVENTS):
             assert self.door_link is not None
             self.door_link.on_event(event)
@@ -402,9 +407,8 @@ class Supervisor:
         assert lifecycle is not None
         run = lifecycle.engine.run
         scrape = sample.scrape if run is not None and sample.run_id == run.run_id else None
-        if scrape is not None and scrape.sample is not None and self.door_link is not None:
-            sample = self.door_link.with_door_queue(sample)  # who waits in the door waits for vLLM too
-            scrape = sample.scrape
+        if self.door_link is not None:  # the door's queue and per-request figures: inputs of their own
+            sample = replace(sample, readings={**sample.readings, **self._door_readings(sample.taken_at)})
         self.metrics.scrape_up.set(1.0 if scrape is not None and scrape.error is None else 0.0)
         if scrape is not None and scrape.error:
             log.debug("engine.scrape_failed", error=scrape.error)
@@ -421,6 +425,15 @@ class Supervisor:
         lifecycle.on_poll(sample, now)
         assert self.tuner is not None
         self.tuner.on_poll(sample, self.signals, now)
+
+    def _door_readings(self, now: float) -> dict[str, float | None]:
+        """`door.waiting` (never added to vLLM's `requests.waiting`) and the window's `slo.*`/`door.*`
+        figures from the door's per-request samples (core/slo.py), also exported as tunerd_slo_*."""
+        assert self.door_link is not None
+        objective = self.config.objective
+        stats = self.slo.stats(now, objective.targets, objective.count)
+        self.metrics.set_slo(stats, objective.targets, objective.attainment)
+        return readings(stats, self.door_link.door.drain_state().queued)
 
     def _publish_targets(self) -> None:
         """Tell the observation jobs what to look at (immutable values, swapped whole)."""
@@ -543,6 +556,7 @@ class Supervisor:
             now,
         )
         document["tuning"] = tuning_status(self.tuner, now)
+        document["objective"] = objective_status(self.config, self.signals)
         if self.door_link is not None:
             document["door"] = self.door_link.status()
         return document

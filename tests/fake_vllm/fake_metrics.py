@@ -207,7 +207,8 @@ class ServeState:
         with self.lock:
             if self.requests.index(req) >= (self.ns.max_num_seqs or 256):
                 return  # vLLM's scheduler runs at most max_num_seqs at once, first come first served
-            tokens = min(REQUEST_TOKENS_PER_S * dt, req.max_tokens - req.generated)
+            rate = float(self.control.get().get("request_tokens_per_s", REQUEST_TOKENS_PER_S))
+            tokens = min(rate * dt, req.max_tokens - req.generated)
             req.generated += tokens
             self.generation += tokens
 

@@ -53,7 +53,9 @@ Knobs (environment variables, all optional):
   ``SIGSEGV``, ``9``): N s after ready the API server exits silently with that code or dies by that signal.
 - ``FAKE_VLLM_CONTROL=<json file>``: read again when it changes, at every ``/health``, ``/metrics`` and
   completion step. Keys: ``running``, ``waiting`` (added to real in-flight requests), ``kv_cache_usage``
-  (0..1), ``tokens_per_s`` (added to ``generation_tokens_total`` while running > 0), ``wedged`` (no token
+  (0..1), ``tokens_per_s`` (added to ``generation_tokens_total`` while running > 0),
+  ``request_tokens_per_s`` (each request's own decode rate, 270 by default: lower makes every request
+  slower per token), ``wedged`` (no token
   progress at all, ``/health`` stays 200), ``preemptions_per_s``, ``health`` (status code for ``/health``),
   ``metrics`` (``ok``, ``garbage``, ``huge`` = ~8 MB, ``slow`` = 10 s delay, ``truncated`` = cut mid-line).
 - ``FAKE_VLLM_CHATTER_PER_S=N``: once ready, the API server prints N uvicorn access-log lines a second, as

@@ -302,3 +302,76 @@ def test_an_integer_stands_for_a_float_and_a_string_for_a_path(tmp_path: Path) -
     assert config.paths.state_dir == Path("/srv/t") and config.paths.socket == Path("/run/t.sock")
     assert config.tuning.rules == Path("r.toml")
     assert config.tuning.bounds == {"max_num_seqs": (4.0, 128.0)}
+
+
+# -- [objective] ----------------------------------------------------------------------------------------
+
+
+def test_the_objective_defaults_to_goodput_without_targets_so_throughput_stays_in_force(
+    tmp_path: Path,
+) -> None:
+    from tunerd.config.objective import in_force
+
+    config = load_config(write(tmp_path, MINIMAL + "[door]\nenabled = true\nport = 8001\n"))
+    objective = config.objective
+    assert (objective.kind, objective.attainment, objective.count) == ("goodput", 0.95, "requests")
+    assert (objective.ttft_s, objective.tpot_s, objective.e2e_s) == (None, None, None)
+    applies = in_force(objective, config.door.enabled)
+    assert (applies.kind, applies.name) == ("throughput", "throughput.generation")
+    assert "no targets" in applies.reason
+    targeted = objective.model_copy(update={"ttft_s": 1.0})
+    assert in_force(targeted, True).kind == "goodput" and in_force(targeted, True).reason == ""
+    assert "front door" in in_force(targeted, False).reason  # nothing measures it without the door
+
+
+def test_bad_objective_values_are_refused_as_file_key_reason(tmp_path: Path) -> None:
+    path, problems = problems_of(
+        tmp_path,
+        MINIMAL
+        + "[objective]\n"
+        + 'kind = "latency"\nttft_s = true\ntpot_s = -0.1\ne2e_s = "5"\nattainment = 1.5\ncount = "bytes"\n'
+        + "surprise = 1\n",
+    )
+    keys = sorted(p.split(": ")[1] for p in problems)
+    assert keys == [
+        "objective.attainment",
+        "objective.count",
+        "objective.e2e_s",
+        "objective.kind",
+        "objective.surprise",
+        "objective.tpot_s",
+        "objective.ttft_s",
+    ]
+    assert all(p.startswith(f"{path}: objective.") for p in problems)
+    assert any("(got True)" in p for p in problems)  # a bool is not a number
+    assert any("(got '5')" in p for p in problems)  # nor is a string
+
+
+def test_goodput_written_without_any_target_is_refused(tmp_path: Path) -> None:
+    path, problems = problems_of(tmp_path, MINIMAL + '[objective]\nkind = "goodput"\n')
+    assert problems == [
+        f"{path}: objective: kind: goodput needs at least one per-request target: set ttft_s, tpot_s or "
+        "e2e_s (or leave kind out: throughput stays in force until targets are set)"
+    ]
+    config = load_config(write(tmp_path, MINIMAL + '[objective]\nkind = "goodput"\ntpot_s = 0.05\n'))
+    assert config.objective.tpot_s == 0.05 and config.objective.targets.any
+
+
+def test_the_old_tuning_objective_key_is_a_deprecated_alias_of_objective_kind(tmp_path: Path) -> None:
+    old = load_config(write(tmp_path, MINIMAL + '[tuning]\nobjective = "itl.p95"\n'))
+    assert old.objective.kind == "itl.p95" and old.tuning.objective == "itl.p95"
+    old = load_config(write(tmp_path, MINIMAL + '[tuning]\nobjective = "throughput.generation"\n'))
+    assert old.objective.kind == "throughput" and old.tuning.objective == "throughput.generation"
+    same = load_config(
+        write(tmp_path, MINIMAL + '[tuning]\nobjective = "e2e.p95"\n[objective]\nkind = "e2e.p95"\n')
+    )
+    assert same.objective.kind == "e2e.p95"
+    path, problems = problems_of(
+        tmp_path, MINIMAL + '[tuning]\nobjective = "ttft.p95"\n[objective]\nkind = "throughput"\n'
+    )
+    assert len(problems) == 1 and problems[0].startswith(f"{path}: tuning.objective: 'ttft.p95' (deprecated")
+    # What trials compare follows the kind; goodput is not in verdicts yet: throughput meanwhile.
+    new = load_config(write(tmp_path, MINIMAL + '[objective]\nkind = "ttft.p95"\n'))
+    assert new.tuning.objective == "ttft.p95"
+    goodput = load_config(write(tmp_path, MINIMAL + "[objective]\nttft_s = 1\n"))
+    assert goodput.objective.kind == "goodput" and goodput.tuning.objective == "throughput.generation"

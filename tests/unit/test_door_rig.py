@@ -55,8 +55,9 @@ class Arrival:
 class Upstream:
     """A fake vLLM. `plan`: what the next completions requests get, in order ("ok", "sse" (each chunk
     after the test opens its gate), "stream", "wait", "close", "dead500", "body_cut", "sse_dead", "sse_cut",
-    "sse_eof"); then "ok". `gates[name]` are events the test
-    sets; `sent` records when each SSE chunk left."""
+    "sse_eof", "ok_usage" (with vLLM's `usage`: `chunks` completion tokens), "sse_usage" (a stream whose last
+    event is the usage one, as with `stream_options.include_usage`), "bad400"); then "ok". `gates[name]`
+    are events the test sets; `sent` records when each SSE chunk left."""
 
     plan: list[str] = field(default_factory=list)
     arrivals: list[Arrival] = field(default_factory=list)
@@ -134,6 +135,13 @@ class Upstream:
             return web.json_response(
                 {"n": body.get("n"), "choices": [{"text": "y", "finish_reason": "length"}]}
             )
+        usage = {"prompt_tokens": 4, "total_tokens": 4 + self.chunks, "completion_tokens": self.chunks}
+        if step == "ok_usage":
+            choices = [{"text": "y" * self.chunks, "finish_reason": "length"}]
+            return web.json_response({"n": body.get("n"), "choices": choices, "usage": usage})
+        if step == "bad400":
+            err = {"message": "bad", "type": "BadRequestError", "param": None, "code": 400}
+            return web.json_response({"error": err}, status=400)
         if step == "close":
             assert request.transport is not None
             request.transport.close()  # the upstream dies before answering: the client sees a disconnect
@@ -164,6 +172,8 @@ class Upstream:
         if step == "sse_eof":  # the stream ends without [DONE] (a plain close of an unframed body)
             await out.write_eof()
             return out
+        if step == "sse_usage":
+            await out.write(b'data: {"choices": [], "usage": ' + json.dumps(usage).encode() + b"}\n\n")
         await out.write(b"data: [DONE]\n\n")
         return out
 

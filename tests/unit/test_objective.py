@@ -8,16 +8,20 @@ import typing
 import pytest
 
 from tests.unit.test_trial_verdict import ITL_SLOWER, saturated, unsaturated
-from tunerd.config import TuningConfig
+from tunerd.config import TuningConfig, parse_config
+from tunerd.config.objective import OBJECTIVE_NAMES, ObjectiveConfig
 from tunerd.policy.evidence import WindowStats
 from tunerd.policy.objective import (
     EXPLORE,
     OBJECTIVES,
+    Goodput,
     ItlP95,
     Objective,
     Throughput,
     TtftP95,
+    configured,
     direction_of,
+    feasible,
     for_trial,
     objective,
 )
@@ -30,6 +34,7 @@ def test_each_objective_has_a_name_a_unit_and_a_direction() -> None:
         "ttft.p95": ("s", "lower"),
         "itl.p95": ("s", "lower"),
         "e2e.p95": ("s", "lower"),
+        "slo.goodput": ("req/s", "higher"),
     }
     assert objective("ttft.p95", 0.1) == TtftP95(tolerance=0.1)
     assert (direction_of("itl.p95"), direction_of(None), direction_of("goodput.future")) == (
@@ -42,8 +47,48 @@ def test_each_objective_has_a_name_a_unit_and_a_direction() -> None:
 
 def test_the_config_offers_every_objective_and_only_those() -> None:
     # config cannot import policy: its choices are a list of their own, held equal here.
-    hints = typing.get_type_hints(TuningConfig)
-    assert set(typing.get_args(hints["objective"])) == set(OBJECTIVES)
+    assert set(OBJECTIVE_NAMES.values()) == set(OBJECTIVES)
+    kinds = typing.get_args(typing.get_type_hints(ObjectiveConfig)["kind"])
+    assert set(kinds) == set(OBJECTIVE_NAMES)
+    # The deprecated [tuning] objective names only objectives that exist (what trials compare).
+    old = typing.get_args(typing.get_type_hints(TuningConfig)["objective"])
+    assert set(old) <= set(OBJECTIVES) and "slo.goodput" not in old
+
+
+def test_goodput_is_higher_better_in_the_unit_of_what_it_counts() -> None:
+    targets = {"ttft_s": 1.0, "tpot_s": 0.05}
+    requests = configured(ObjectiveConfig(kind="goodput", **targets), tolerance=0.05)
+    tokens = configured(ObjectiveConfig(kind="goodput", count="tokens", **targets))
+    assert requests == Goodput(tolerance=0.05) and requests.name == "slo.goodput"
+    assert (requests.unit, tokens.unit, Goodput.unit) == ("req/s", "tok/s", "req/s")
+    assert tokens.fields() == {"objective_name": "slo.goodput", "objective_unit": "tok/s"}
+    assert tokens.describe(1234.0) == "1234 tok/s" and requests.describe(3.5) == "3.5 req/s"
+    assert requests.better(11.0, 10.0) and not requests.better(10.2, 10.0) and requests.worse(9.0, 10.0)
+    assert direction_of("slo.goodput") == "higher"
+    assert configured(ObjectiveConfig(kind="itl.p95")) == ItlP95()
+    assert configured(ObjectiveConfig()) == Goodput()  # the default kind (in force only with targets)
+
+
+def test_goodput_reads_the_windows_slo_goodput_signal() -> None:
+    window = saturated()
+    with_goodput = type(window)(**{**window.__dict__, "values": {**window.values, "slo.goodput": 7.5}})
+    assert Goodput().of(with_goodput) == 7.5
+    assert Goodput().of(window) is None  # no door: no per-request measurement
+    assert Goodput().of_probe({"probe.throughput": 512.0}) is None
+
+
+def test_feasible_is_attainment_at_least_the_target() -> None:
+    assert feasible(0.95, 0.95) is True
+    assert feasible(0.9499, 0.95) is False
+    assert feasible(1.0, 0.99) is True
+    assert feasible(None, 0.95) is None  # nothing to judge: neither feasible nor not
+
+
+def test_the_trials_keep_comparing_throughput_under_a_goodput_objective() -> None:
+    config = parse_config({"engine": {"model": "m"}, "objective": {"kind": "goodput", "ttft_s": 1.0}})
+    assert config.tuning.objective == "throughput.generation"  # goodput is not in verdicts yet
+    config = parse_config({"engine": {"model": "m"}, "objective": {"kind": "e2e.p95"}})
+    assert config.tuning.objective == "e2e.p95"
 
 
 def test_better_is_by_more_than_the_tolerance_in_the_objectives_direction() -> None:

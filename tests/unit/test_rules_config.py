@@ -385,3 +385,18 @@ def test_a_value_of_the_wrong_toml_type_is_refused_with_its_key(
 def test_an_integer_stands_for_a_float_in_a_rule() -> None:
     (parsed,) = parse_rules({"rule": [rule("r", for_s=60, action=step(factor=None, by=4))]}, FILE).rules
     assert parsed.for_s == 60.0 and isinstance(parsed.action, StepAction) and parsed.action.by == 4.0
+
+
+def test_the_shipped_attainment_rule_only_alerts_and_reads_the_doors_signals() -> None:
+    # Rules may name the per-request signals; the shipped one on attainment never restarts vLLM.
+    (rule,) = [r for r in load_rules(str(PLAYBOOK)).rules if r.name == "slo-attainment-below-target"]
+    assert rule.action.kind == "alert"
+    assert {t.signal for t in rule.terms} == {"slo.attainment", "slo.requests"}
+    for name in (
+        "slo.goodput",
+        "slo.attainment.ttft",
+        "slo.attainment.tpot",
+        "door.ttft.p95",
+        "door.waiting",
+    ):
+        assert parse_term(f"{name} > 0").signal == name

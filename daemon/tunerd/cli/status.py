@@ -60,6 +60,9 @@ def render_status(doc: dict[str, Any]) -> str:
             lines.append(f"  last probe ({probe['age_s']:.0f} s ago): {probe_line(probe['last'])}")
         if probe.get("running"):
             lines.append("  a probe is running")
+    objective = doc.get("objective")
+    if isinstance(objective, dict):
+        lines.extend(objective_lines(objective))
     door = doc.get("door")
     if isinstance(door, dict):
         cap = door.get("max_in_flight")
@@ -82,6 +85,61 @@ def render_status(doc: dict[str, Any]) -> str:
             )
             lines.append(f"  {name:<{width}}  {_number(value):>14}  {unit}")
     return "\n".join(lines)
+
+
+def objective_lines(objective: dict[str, Any]) -> list[str]:
+    """The objective in force and why, then the window's attainment and goodput beside throughput."""
+    kind, applies = objective.get("kind"), objective.get("in_force")
+    head = f"objective: {applies}" + (f" (configured: {kind})" if kind != applies else "")
+    targets = objective.get("targets") or {}
+    set_ = [f"{k.removesuffix('_s')} ≤ {_seconds(v)}" for k, v in targets.items() if v is not None]
+    if set_:
+        head += f"; targets {', '.join(set_)}, attainment ≥ {objective.get('attainment_target', 0):.0%}"
+    lines = [head]
+    if objective.get("why"):
+        lines.append(f"  {objective['why']}")
+    if applies == "goodput" and objective.get("trials_compare"):
+        lines.append(f"  trials still compare {objective['trials_compare']} (goodput not yet in verdicts)")
+    w = objective.get("window") or {}
+    unit = "tok/s" if objective.get("count") == "tokens" else "req/s"
+    attainment, goodput, throughput = (
+        w.get("slo.attainment"),
+        w.get("slo.goodput"),
+        w.get("throughput.generation"),
+    )
+    parts = [
+        f"attainment {_share(attainment)}"
+        + (
+            " (feasible)"
+            if objective.get("feasible")
+            else " (NOT feasible)"
+            if objective.get("feasible") is False
+            else ""
+        ),
+        f"goodput {_number(goodput)} {unit}" if goodput is not None else "goodput —",
+        f"throughput {_number(throughput)} tok/s" if throughput is not None else "throughput —",
+    ]
+    lines.append("  window: " + ", ".join(parts) + f" over {_number(w.get('slo.requests'))} requests")
+    per = [(t, w.get(f"slo.attainment.{t}")) for t in ("ttft", "tpot", "e2e")]
+    if any(v is not None for _, v in per):
+        lines.append("  per target: " + ", ".join(f"{t} {_share(v)}" for t, v in per if v is not None))
+    if w.get("door.ttft.p95") is not None or w.get("door.tpot.p95") is not None:
+        lines.append(
+            f"  clients (at the door): TTFT p50/p95 {_seconds(w.get('door.ttft.p50'))}/"
+            f"{_seconds(w.get('door.ttft.p95'))}, TPOT p50/p95 {_seconds(w.get('door.tpot.p50'))}/"
+            f"{_seconds(w.get('door.tpot.p95'))}, door wait p95 {_seconds(w.get('door.wait.p95'))}"
+        )
+    return lines
+
+
+def _share(value: Any) -> str:
+    return "—" if not isinstance(value, (int, float)) else f"{value:.1%}"
+
+
+def _seconds(value: Any) -> str:
+    if not isinstance(value, (int, float)):
+        return "—"
+    return f"{value * 1000:.3g} ms" if value < 1 else f"{value:.3g} s"
 
 
 def _number(value: Any) -> str:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tunerd.config.door import DoorConfig
+from tunerd.config.objective import ObjectiveConfig, resolve_alias
 from tunerd.core.hosts import is_loopback
 from tunerd.core.params import LIVE_PARAMS, TUNABLE_PARAMS, EngineParams
 
@@ -295,6 +296,8 @@ class TuningConfig(_Section):
     warmup_s: float = Field(default=20.0, ge=0)
     window_s: PositiveSeconds = 60.0
     max_extend_s: float = Field(default=60.0, ge=0)
+    # Deprecated: `[objective] kind` is the one place (config/objective.py). After loading, this holds what
+    # a trial compares (policy/verdict.py): the configured kind's objective, throughput for goodput.
     objective: Literal["throughput.generation", "ttft.p95", "itl.p95", "e2e.p95"] = "throughput.generation"
     tolerance: float = Field(default=0.05, ge=0, lt=1)
     load_tolerance: float = Field(default=0.25, gt=0, lt=1)
@@ -353,6 +356,7 @@ class Config(_Section):
     probe: ProbeConfig = Field(default_factory=ProbeConfig)
     cache_reset: CacheResetConfig = Field(default_factory=CacheResetConfig)
     door: DoorConfig = Field(default_factory=DoorConfig)
+    objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
     @model_validator(mode="after")
@@ -416,6 +420,10 @@ def load_config(path: str | os.PathLike[str]) -> Config:
 def parse_config(data: dict[str, Any], name: str = "<config>") -> Config:
     """Validate an already-parsed TOML document, strictly (TOML is typed: `max_failures = true` is a
     boolean, not a count; pydantic's lax mode would read it as 1). Raises ConfigError."""
+    try:
+        data = resolve_alias(data)  # [tuning] objective, deprecated, into [objective] kind
+    except ValueError as exc:
+        raise ConfigError([f"{name}: tuning.objective: {exc}"]) from None
     try:
         return Config.model_validate(data, strict=True)
     except ValidationError as exc:

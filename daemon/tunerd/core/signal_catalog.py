@@ -31,6 +31,8 @@ _WAIT = "vllm:num_requests_waiting, summed over engines"
 _MEM = "host.mem_available_bytes, host.mem_total_bytes (/proc/meminfo)"
 _AVAIL = "/proc/meminfo MemAvailable"
 _PROBE = "the benchmark probe (fixed cache-cold workload, observe/probe.py)"
+_DOOR = "the front door's queue (Door.drain_state().queued)"
+_SLO = "the front door's per-request samples over observe.window_s (core/slo.py)"
 _PCIE = "gpu.pcie_tx_bytes_per_s + gpu.pcie_rx_bytes_per_s (NVML; None on unified memory: no PCIe link)"
 _LAT = (
     ("ttft", "vllm.ttft", "vllm:time_to_first_token_seconds"),
@@ -70,6 +72,33 @@ SIGNAL_TABLE: tuple[tuple[str, str, str, object, str, str], ...] = (
         (f"{short}.p{round(q * 100)}", "s", "quantile", (name, q), metric,
          f"{q:g} quantile of the window's observations (histogram_quantile of bucket increases)")
         for short, name, metric in _LAT for q in (0.5, 0.95, 0.99)
+    ),
+    ("door.waiting", "requests", "last", "door.waiting", _DOOR,
+     "requests waiting in the door (its admission queue, a hold across a restart), latest poll; "
+     "never in requests.waiting (vLLM's own queue)"),
+    ("door.waiting_avg", "requests", "avg", "door.waiting", _DOOR, "mean over the window"),
+    ("door.waiting_max", "requests", "max", "door.waiting", _DOOR, "max over the window"),
+    *(
+        (name, "ratio 0..1", "last", name, _SLO, text)
+        for name, text in (
+            ("slo.attainment", "share of the window's requests that met every [objective] target "
+             "(failed ones miss; None without targets or requests)"),
+            ("slo.attainment.ttft", "share of the window's requests within ttft_s"),
+            ("slo.attainment.tpot", "share within tpot_s, of the requests with a TPOT (streamed, 2+ tokens)"),
+            ("slo.attainment.e2e", "share within e2e_s"),
+        )
+    ),
+    ("slo.goodput", "requests/s or tokens/s", "last", "slo.goodput", _SLO,
+     "good requests per second over the window, or their output tokens per second ([objective] count)"),
+    ("slo.requests", "requests", "last", "slo.requests", _SLO,
+     "generation requests the door answered (or refused) in the window: what the attainment is over"),
+    *(
+        (f"door.{what}.{q}", "s", "last", f"door.{what}.{q}", _SLO,
+         f"{'median' if q == 'p50' else '0.95 quantile'} of the window's {text} (exact, per request)")
+        for what, text in (("ttft", "client TTFTs, arrival at the door → first byte"),
+                           ("tpot", "times per output token after the first"),
+                           ("wait", "waits in the door"))
+        for q in (("p50", "p95") if what != "wait" else ("p95",))
     ),
     ("memory.used_ratio", "ratio 0..1", "last", "host.mem_used_ratio", _MEM,
      "1 − MemAvailable/MemTotal: host memory in use (on unified memory, the GPU's too)"),

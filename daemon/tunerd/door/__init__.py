@@ -9,7 +9,15 @@ config section (`tunerd.config.door`) and `tunerd.core` (import-linter).
 
 from tunerd.config.door import DoorConfig
 from tunerd.door.door import Door
-from tunerd.door.events import DoorDrained, DoorFailed, DoorReleased, DrainState, LimitsState, UpstreamState
+from tunerd.door.events import (
+    DoorDrained,
+    DoorFailed,
+    DoorReleased,
+    DoorRequests,
+    DrainState,
+    LimitsState,
+    UpstreamState,
+)
 
 __all__ = [
     "Door",
@@ -17,6 +25,7 @@ __all__ = [
     "DoorDrained",
     "DoorFailed",
     "DoorReleased",
+    "DoorRequests",
     "DrainState",
     "LimitsState",
     "UpstreamState",

@@ -24,8 +24,9 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from tunerd.config.door import DoorConfig
+from tunerd.core.slo import RequestSample
 from tunerd.door.admission import PromptLimits, no_tokenizer_fields
-from tunerd.door.events import DoorFailed, DrainState, LimitsState, UpstreamState
+from tunerd.door.events import DoorFailed, DoorRequests, DrainState, LimitsState, UpstreamState
 from tunerd.door.gate import Gate
 from tunerd.door.metrics import DoorMetrics
 from tunerd.door.proxy import Proxy
@@ -35,6 +36,10 @@ STATES = ("serving", "draining", "down", "fatal")
 # vLLM's uvicorn closes an idle keep-alive connection after 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE); the door
 # stops reusing one well before, so it never sends on a connection the server is closing.
 UPSTREAM_KEEPALIVE_S = 2.0
+# Per-request samples go to the main loop in batches (one event a second, not one per request), or at once
+# when a batch is this large (a burst): the loop's queue and the batch stay small.
+BATCH_S = 1.0
+BATCH_MAX = 4096
 
 
 def new_event_loop(kind: str) -> asyncio.AbstractEventLoop:
@@ -90,6 +95,7 @@ class Door:
         self._stopped = False
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
+        self._batch: list[RequestSample] = []  # the door's loop only; handed over whole (`_flush`)
         if model_dir is not None:
             self.set_model_dir(model_dir)
 
@@ -198,7 +204,8 @@ class Door:
             skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10.0),  # generation may take long
         )
-        proxy = Proxy(self._gate, self._limits, self.metrics, self._session, self.config)
+        proxy = Proxy(self._gate, self._limits, self.metrics, self._session, self.config, self._record)
+        self._loop.call_later(BATCH_S, self._tick)
         # One catch-all route: aiohttp's application answers `Expect: 100-continue` and enforces the
         # body limit; the handler sees every method and path as the client sent them.
         app = web.Application(client_max_size=self.config.max_body_bytes)
@@ -224,6 +231,24 @@ class Door:
             await asyncio.gather(*rest, return_exceptions=True)
         finally:
             self._loop.stop()
+
+    def _record(self, sample: RequestSample) -> None:
+        """One answered generation request (door's loop): kept for the next batch."""
+        batch = self._batch
+        batch.append(sample)
+        if len(batch) >= BATCH_MAX:
+            self._flush()
+
+    def _tick(self) -> None:
+        self._flush()
+        if not self._stopped:
+            self._loop.call_later(BATCH_S, self._tick)
+
+    def _flush(self) -> None:
+        """Hand the batch to the main loop (its `post`, as every event): the loop owns it from here."""
+        if self._batch:
+            batch, self._batch = self._batch, []
+            self._post(DoorRequests(tuple(batch)))
 
     def _set_max_model_len(self, max_model_len: int | None) -> None:
         self._limits.max_model_len = max_model_len

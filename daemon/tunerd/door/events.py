@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from tunerd.core.slo import RequestSample
+
 UpstreamState = Literal["serving", "draining", "down", "fatal"]
 DrainEnd = Literal["idle", "timeout", "superseded"]
 
@@ -71,3 +73,11 @@ class DoorFailed:
     should journal it; clients of the public port get connection errors until the daemon restarts."""
 
     error: str
+
+
+@dataclass(frozen=True)
+class DoorRequests:
+    """The generation requests the door answered since its last batch (about one batch a second, none
+    while idle): one `RequestSample` each (core/slo.py), for the main loop's `SloWindow`."""
+
+    samples: tuple[RequestSample, ...]

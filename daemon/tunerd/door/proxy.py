@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -19,6 +19,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
+from tunerd.core.slo import RequestSample, tpot
 from tunerd.door.admission import PromptLimits
 from tunerd.door.gate import Gate, Refused, Ticket
 from tunerd.door.metrics import DoorMetrics
@@ -90,6 +91,66 @@ class _ClientGone(Exception):
         self.answer = answer
 
 
+class _Meter:
+    """One generation request's timings as it goes (door's loop only): filled by `_forward`, turned into a
+    `RequestSample` (core/slo.py) when the answer ends. `first`/`last`: monotonic times of the first and
+    the latest body bytes; `events`: SSE `data: ` events seen; `tail`/`prev`: the last two body chunks
+    (kept by reference; vLLM's `usage` is in the answer's last event or object, read once at the end)."""
+
+    __slots__ = ("events", "first", "gone", "last", "ok", "prev", "sse", "tail", "upstream_ttft", "waited")
+
+    def __init__(self) -> None:
+        self.waited = 0.0
+        self.gone = False
+        self.first: float | None = None
+        self.last = 0.0
+        self.upstream_ttft: float | None = None
+        self.events = 0
+        self.sse = False
+        self.ok = True
+        self.prev = self.tail = b""
+
+    def sample(self, arrived: float, done: float) -> RequestSample:
+        """What the request measured (see core/slo.py for how each figure counts)."""
+        # `usage` ends the answer (a few hundred bytes): at most 8 KiB are copied, once a request.
+        tokens = usage_tokens(self.prev[-4096:] + self.tail[-4096:]) if self.first is not None else None
+        exact = tokens is not None
+        if tokens is None and self.sse and self.first is not None:
+            # No `usage` (the client did not ask for stream_options.include_usage): count token events,
+            # less `[DONE]` — an estimate, and an undercount when one event carries several tokens.
+            tokens = max(0, self.events - 1)
+        first = self.first
+        ttft = None if first is None else (first if self.sse else done) - arrived
+        return RequestSample(
+            done=done,
+            wait_s=self.waited,
+            upstream_ttft_s=self.upstream_ttft,
+            ttft_s=ttft,
+            tokens=tokens,
+            tokens_exact=exact,
+            tpot_s=tpot(first, self.last, tokens) if self.sse and first is not None else None,
+            e2e_s=done - arrived,
+            streamed=self.sse,
+            ok=self.ok,
+        )
+
+
+USAGE_KEY = b'"completion_tokens":'
+
+
+def usage_tokens(tail: bytes) -> int | None:
+    """`usage.completion_tokens` of the last usage object in `tail` (vLLM's final stream event with
+    `stream_options.include_usage`, or a whole answer's `usage`), None when there is none."""
+    at = tail.rfind(USAGE_KEY)
+    if at < 0:
+        return None
+    digits = tail[at + len(USAGE_KEY) :].lstrip()[:12]
+    end = 0
+    while end < len(digits) and 48 <= digits[end] <= 57:
+        end += 1
+    return int(digits[:end]) if end else None
+
+
 @dataclass(frozen=True)
 class _Cut:
     """The upstream cut this attempt before any byte reached the client."""
@@ -101,9 +162,16 @@ class Proxy:
     """The request handler (`handle`) of the door's aiohttp server."""
 
     def __init__(
-        self, gate: Gate, limits: PromptLimits, metrics: DoorMetrics, session: aiohttp.ClientSession, config
+        self,
+        gate: Gate,
+        limits: PromptLimits,
+        metrics: DoorMetrics,
+        session: aiohttp.ClientSession,
+        config,
+        record: Callable[[RequestSample], None] | None = None,
     ) -> None:
         self.gate, self.limits, self.metrics, self.session = gate, limits, metrics, session
+        self.record = record  # each generation request's RequestSample (the door batches them for the loop)
         self.retry_after = str(config.retry_after_s)
         self.loop = gate.loop
         self.probe: asyncio.Task[None] | None = None
@@ -131,29 +199,45 @@ class Proxy:
                 )
         replayable = request.method in SAFE_METHODS or (request.method == "POST" and path in REPLAYABLE_POST)
         headers = request_headers(request.headers)
+        # Generation requests are timed (core/slo.py): the client's TTFT, TPOT, e2e and the door's wait.
+        meter = (
+            _Meter() if self.record is not None and path in DONE_PATHS and request.method == "POST" else None
+        )
         cut_epoch: int | None = None
         replays = 0
         while True:
+            waiting_since = time.monotonic() if meter is not None else 0.0
             try:
                 granted = self.gate.acquire(seq, cut_epoch)
                 ticket = granted if isinstance(granted, Ticket) else await self.gate.wait(granted)
             except Refused as refusal:
                 self.metrics.count(refusal.outcome)
+                if meter is not None:
+                    meter.ok = False  # refused: the client got no answer
+                    meter.waited += time.monotonic() - waiting_since
+                    self._measured(meter, arrived, time.monotonic())
                 return self._unavailable(refusal.message)
+            if meter is not None:
+                meter.waited += time.monotonic() - waiting_since
             if cut_epoch is not None:
                 self.metrics.count("replayed")
             final = not replayable or replays >= MAX_REPLAYS
             try:
-                result = await self._attempt(request, ticket, body, headers, arrived, final)
+                result = await self._attempt(request, ticket, body, headers, arrived, final, meter)
             except asyncio.CancelledError:
-                self.metrics.count("client_gone")
+                self.metrics.count("client_gone")  # not measured: it says nothing of the server's speed
                 raise
             finally:
                 self.gate.release(ticket)
             if not isinstance(result, _Cut):
+                if meter is not None:
+                    self._finished(meter, arrived, result)
                 return result
             if final:
                 self.metrics.count("upstream_error")
+                if meter is not None:
+                    meter.ok = False
+                    self._measured(meter, arrived, time.monotonic())
                 why = "was cut twice" if replayable else "is not replayed on this endpoint"
                 return self._unavailable(
                     f"vLLM went away before answering ({result.detail}); the request {why}"
@@ -161,6 +245,22 @@ class Proxy:
             replays += 1
             cut_epoch = ticket.epoch
             self._ensure_probe()
+
+    # -- per-request measurement -------------------------------------------------------------------
+
+    def _finished(self, meter: _Meter, arrived: float, answer: web.StreamResponse) -> None:
+        """An answer went out: record it unless the client hung up (not the server's speed) or vLLM
+        refused the request as invalid (a 4xx: the client's error, not a latency)."""
+        status = answer.status
+        if meter.gone or (meter.ok and 400 <= status < 500):
+            return
+        if status >= 500:
+            meter.ok = False
+        self._measured(meter, arrived, time.monotonic())
+
+    def _measured(self, meter: _Meter, arrived: float, done: float) -> None:
+        assert self.record is not None
+        self.record(meter.sample(arrived, done))
 
     # -- one attempt -----------------------------------------------------------------------------
 
@@ -172,15 +272,18 @@ class Proxy:
         headers: CIMultiDict[str],
         arrived: float,
         final: bool,
+        meter: _Meter | None = None,
     ) -> web.StreamResponse | _Cut:
         """Forward once. Returns the answer (sent) or a _Cut (nothing sent; not when `final`: then a 5xx
         passes through and a connection failure is a _Cut the caller answers with 503)."""
         self.metrics.count("forwarded")
         try:
-            return await self._forward(request, ticket, body, headers, arrived, final)
+            return await self._forward(request, ticket, body, headers, arrived, final, meter)
         except _ClientGone as gone:
             self.metrics.count("client_gone")  # nobody to answer; vLLM's request is closed with ours
             gone.answer.force_close()
+            if meter is not None:
+                meter.gone = True  # not measured: the client's hang-up is not the server's speed
             return gone.answer
 
     async def _forward(
@@ -191,8 +294,10 @@ class Proxy:
         headers: CIMultiDict[str],
         arrived: float,
         final: bool,
+        meter: _Meter | None = None,
     ) -> web.StreamResponse | _Cut:
-        """The forward itself (see `_attempt`); a failed write to the client raises _ClientGone."""
+        """The forward itself (see `_attempt`); a failed write to the client raises _ClientGone. `meter`
+        (generation requests): the answer's timings, filled once the attempt is the answer (not a _Cut)."""
         out: web.StreamResponse | None = None
         done_path = request.path in DONE_PATHS
         sse = False
@@ -227,16 +332,32 @@ class Proxy:
                 if first:
                     await self._send(out.write(first), out)
                 self.metrics.added.observe(max(0.0, time.monotonic() - arrived - upstream_ttfb))
+                if meter is not None:
+                    meter.sse, meter.upstream_ttft = sse, upstream_ttfb
+                    if first:
+                        meter.first = meter.last = time.monotonic()
+                        meter.events = first.count(b"data: ")
+                        meter.tail = first
                 tail = first[-len(DONE) :]
                 if sse and ENGINE_DEAD in first:
                     self.metrics.count("stream_cut")
+                    if meter is not None:
+                        meter.ok = False
                 async for chunk in up.content.iter_any():
                     await self._send(out.write(chunk), out)
                     tail = (tail + chunk)[-len(DONE) :]
+                    if meter is not None:  # a few attribute writes and one C scan of the chunk
+                        meter.last = time.monotonic()
+                        if meter.first is None:
+                            meter.first = meter.last
+                        meter.events += chunk.count(b"data: ")
+                        meter.prev, meter.tail = meter.tail, chunk
                     if sse and ENGINE_DEAD in chunk:
                         self.metrics.count("stream_cut")  # vLLM ended it cleanly itself: error event, [DONE]
+                        if meter is not None:
+                            meter.ok = False
                 if sse and done_path and tail != DONE and up.status < 300:
-                    await self._end_cut_stream(out, "the stream ended without [DONE]")
+                    await self._end_cut_stream(out, "the stream ended without [DONE]", meter=meter)
                 await self._send(out.write_eof(), out)
                 return out
         except UPSTREAM_ERRORS as exc:
@@ -244,19 +365,25 @@ class Proxy:
             if out is None:
                 return _Cut(detail)
             if sse:
-                await self._end_cut_stream(out, detail, done_path)
+                await self._end_cut_stream(out, detail, done_path, meter=meter)
                 await self._send(out.write_eof(), out)
                 return out
             # A plain body cut midway cannot be mended: the connection is closed (the client sees a short
             # body, never a hang).
             self.metrics.count("upstream_error")
+            if meter is not None:
+                meter.ok = False
             log.warning("door.body_cut", path=request.path, error=detail)
             out.force_close()
             return out
 
-    async def _end_cut_stream(self, out: web.StreamResponse, detail: str, done: bool = True) -> None:
+    async def _end_cut_stream(
+        self, out: web.StreamResponse, detail: str, done: bool = True, *, meter: _Meter | None = None
+    ) -> None:
         """A stream the upstream cut after it had started: an error event (vLLM's shape), then the end."""
         self.metrics.count("stream_cut")
+        if meter is not None:
+            meter.ok = False
         message = f"vLLM went away mid-stream ({detail}); tunerd's front door ended the stream"
         error = {"error": {"message": message, "type": "InternalServerError", "param": None, "code": 500}}
         await self._send(

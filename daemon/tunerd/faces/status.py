@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tunerd import __version__
+from tunerd.config import Config
+from tunerd.config.objective import in_force
 from tunerd.config.rules import Rule
 from tunerd.core.params import EngineParams
 from tunerd.policy.rules import RuleState
@@ -72,6 +74,44 @@ def build_status(
         },
         "last_journal": last_record,
         "signals": {name: {"value": value, "unit": units.get(name, "")} for name, value in signals.items()},
+    }
+
+
+def objective_status(config: Config, signals: Mapping[str, float | None]) -> dict[str, Any]:
+    """The objective part of the status document: what is configured, what is in force and why, and
+    the window's attainment and goodput beside throughput (`tunerd status`)."""
+    objective = config.objective
+    applies = in_force(objective, config.door.enabled)
+    attainment = signals.get("slo.attainment")
+    feasible = None if attainment is None else attainment >= objective.attainment
+    return {
+        "kind": objective.kind,
+        "in_force": applies.kind,
+        "name": applies.name,
+        "why": applies.reason or None,
+        "trials_compare": config.tuning.objective,  # what a trial's verdict reads (goodput: not yet)
+        "targets": {"ttft_s": objective.ttft_s, "tpot_s": objective.tpot_s, "e2e_s": objective.e2e_s},
+        "attainment_target": objective.attainment,
+        "count": objective.count,
+        "feasible": feasible,
+        "window": {
+            name: signals.get(name)
+            for name in (
+                "slo.attainment",
+                "slo.attainment.ttft",
+                "slo.attainment.tpot",
+                "slo.attainment.e2e",
+                "slo.goodput",
+                "slo.requests",
+                "throughput.generation",
+                "door.ttft.p50",
+                "door.ttft.p95",
+                "door.tpot.p50",
+                "door.tpot.p95",
+                "door.wait.p95",
+                "door.waiting",
+            )
+        },
     }
 
 

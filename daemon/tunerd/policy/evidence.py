@@ -74,8 +74,9 @@ class WindowStats:
     """What an engine did in one window. Rates per second; latencies in seconds; None: not known.
 
     `values` holds every window signal by name (`window_signals`); the fields named after a signal
-    (`prompt_rate` = `throughput.prompt`, `waiting_avg` = `requests.waiting_avg`, `ttft_p95` = `ttft.p95`,
-    ...) are read from it, so that the verdict's figures and the rules' are one statistic per name.
+    (`prompt_rate` = `throughput.prompt`, `ttft_p95` = `ttft.p95`, ...) are read from it, so that the
+    verdict's figures and the rules' are one statistic per name; `waiting_avg` is the requests waiting
+    for vLLM anywhere (`requests.waiting_avg` + `door.waiting_avg`: the offered load).
     `throughput` and `throughput_samples` are the per-poll rates, for a spread and a bootstrap."""
 
     start: float
@@ -162,7 +163,7 @@ def window_stats(
     if not per_poll:
         return None
     v = window_signals(points, first.t, last.t)
-    running_avg, waiting_avg = v["requests.running_avg"], v["requests.waiting_avg"]
+    running_avg, waiting_avg = v["requests.running_avg"], _waiting_for_vllm(v)
     kv_avg = v["kv_cache.usage_avg"]
     full = max_num_seqs is not None and running_avg is not None and running_avg >= 0.9 * max_num_seqs
     full = full or (kv_avg is not None and kv_avg >= saturated_kv_usage)
@@ -191,6 +192,17 @@ def window_stats(
         saturated=bool((waiting_avg is not None and waiting_avg >= saturated_waiting) or full),
         values=v,
     )
+
+
+def _waiting_for_vllm(v: Mapping[str, float | None]) -> float | None:
+    """Requests waiting for vLLM anywhere, on average: vLLM's own queue (`requests.waiting_avg`) plus the
+    front door's (`door.waiting_avg`). The load offered to the engine, for saturation and the outstanding
+    requests: under the door's cap the surplus waits in the door. The two are separate signals (a rule on
+    `requests.waiting*` reads vLLM's queue alone, issue 21); only this sum joins them."""
+    vllm, door = v["requests.waiting_avg"], v.get("door.waiting_avg")
+    if vllm is None:
+        return None
+    return vllm + (door or 0.0)
 
 
 def spread(values: Sequence[float]) -> Spread:

@@ -9,8 +9,9 @@ without a name that says which.
 
 Adding an objective is one subclass here (name, unit, direction, the window statistic it reads — a
 signal of `core/signal_catalog.py`, which every window computes — and the probe's figure of it if there
-is one) plus its name among `TuningConfig.objective`'s choices (config cannot import policy; a unit test
-holds the two lists equal).
+is one) plus its kind in `config/objective.OBJECTIVE_NAMES` (`[objective] kind`; config cannot import
+policy; a unit test holds the two lists equal). `configured(config.objective)` is the objective the
+operator chose.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
+from tunerd.config.objective import OBJECTIVE_NAMES, ObjectiveConfig
+from tunerd.core.slo import Count
+from tunerd.core.slo import feasible as feasible  # the goodput objective's feasibility test, re-exported
 from tunerd.policy.evidence import WindowStats
 
 Direction = Literal["higher", "lower"]
@@ -140,6 +144,24 @@ class E2eP95(Objective):
     direction: ClassVar[Direction] = "lower"
 
 
+@dataclass(frozen=True)
+class Goodput(Objective):
+    """Requests per second that met every per-request target of `[objective]` (or their output tokens
+    per second: `count = "tokens"`), measured by the front door (core/slo.py, signal `slo.goodput`).
+    Meaningful with the attainment beside it: a configuration is feasible when `feasible(attainment,
+    target)`; among feasible ones, more goodput is better. Not yet what a trial's verdict compares."""
+
+    name: ClassVar[str] = "slo.goodput"
+    unit: ClassVar[str] = "req/s"
+    direction: ClassVar[Direction] = "higher"
+
+    count: Count = "requests"
+
+    def __post_init__(self) -> None:
+        if self.count == "tokens":  # the unit follows what is counted (an instance's, not the class's)
+            object.__setattr__(self, "unit", "tok/s")
+
+
 # The latency at the offered load: what a trial compares when a capacity objective cannot measure.
 AT_OFFERED_LOAD: type[Objective] = ItlP95
 # An exploration's points are scored by generation throughput (the probe's closed loop, or live traffic
@@ -149,6 +171,15 @@ EXPLORE: type[Objective] = Throughput
 
 def objective(name: str, tolerance: float = 0.0) -> Objective:
     """The objective called `name` with `tolerance`. Raises KeyError for a name no class has."""
+    return OBJECTIVES[name](tolerance=tolerance)
+
+
+def configured(config: ObjectiveConfig, tolerance: float = 0.0) -> Objective:
+    """The objective `[objective]` names (its kind), goodput counting what `count` says. The configured
+    one, not necessarily the one in force (config/objective.in_force: goodput needs targets and the door)."""
+    name = OBJECTIVE_NAMES[config.kind]
+    if name == Goodput.name:
+        return Goodput(tolerance=tolerance, count=config.count)
     return OBJECTIVES[name](tolerance=tolerance)
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from tunerd.core.slo import SloStats, Targets
 from tunerd.core.states import EngineState
 
 # Signal units (core/signal_catalog.py) → Prometheus base-unit suffixes (exporter naming conventions).
@@ -100,6 +101,34 @@ class Metrics:
             "4=measuring (the after window), 5=reverting",
             registry=r,
         )
+        # Per-request service levels, from the front door's samples over the observe window (core/slo.py).
+        self.slo_attainment = Gauge(
+            "tunerd_slo_attainment_ratio",
+            "Share of the window's requests that met every [objective] target (NaN: no target or request)",
+            registry=r,
+        )
+        self.slo_target_attainment = Gauge(
+            "tunerd_slo_target_attainment_ratio",
+            "Share of the window's requests within one target (ttft, tpot, e2e; NaN: not set or none)",
+            ["target"],
+            registry=r,
+        )
+        self.slo_goodput = Gauge(
+            "tunerd_slo_goodput",
+            "Good requests (or their output tokens, [objective] count) per second in the window",
+            registry=r,
+        )
+        self.slo_target = Gauge(
+            "tunerd_slo_target_seconds",
+            "The [objective] per-request targets (NaN: not set)",
+            ["target"],
+            registry=r,
+        )
+        self.slo_attainment_objective = Gauge(
+            "tunerd_slo_attainment_objective_ratio",
+            "The attainment a configuration must reach to be feasible ([objective] attainment)",
+            registry=r,
+        )
         self.reload_ok.set(1)
         self._signal_gauges: dict[str, Gauge] = {}
         self._params_seen: set[str] = set()
@@ -115,6 +144,25 @@ class Metrics:
             if isinstance(value, (int, float)):
                 self.param.labels(name=name).set(float(value))
         self._params_seen = {n for n, v in params.items() if isinstance(v, (int, float))}
+
+    def set_slo(self, stats: SloStats, targets: Targets, attainment: float) -> None:
+        """The tunerd_slo_* gauges from one window's statistics; unknown is NaN, never 0."""
+        nan = float("nan")
+        measured = stats.requests > 0
+
+        def value(x: float | None) -> float:
+            return nan if x is None or not measured else x
+
+        self.slo_attainment.set(value(stats.attainment))
+        self.slo_goodput.set(value(stats.goodput))
+        for name, share, target in (
+            ("ttft", stats.attainment_ttft, targets.ttft_s),
+            ("tpot", stats.attainment_tpot, targets.tpot_s),
+            ("e2e", stats.attainment_e2e, targets.e2e_s),
+        ):
+            self.slo_target_attainment.labels(target=name).set(value(share))
+            self.slo_target.labels(target=name).set(nan if target is None else target)
+        self.slo_attainment_objective.set(attainment)
 
     def set_signals(self, values: Mapping[str, float | None], units: Mapping[str, str]) -> None:
         """One gauge per signal; a signal without a value is NaN (unknown), never 0."""
