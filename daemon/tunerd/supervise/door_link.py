@@ -13,14 +13,13 @@ the state file, so a daemon restart keeps what was decided.
 
 from __future__ import annotations
 
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import structlog
 
 from tunerd.core.states import EngineState
 from tunerd.door import Door, DoorDrained, DoorFailed, DoorReleased, UpstreamState
-from tunerd.observe.poller import PollSample
 from tunerd.records.recorder import Recorder
 from tunerd.supervise.lifecycle import ACTIVE, Lifecycle
 
@@ -114,17 +113,6 @@ class DoorLink:
         elif isinstance(event, DoorFailed):
             self.rec.record("door.failed", error=event.error)
             log.error("door.failed", error=event.error)
-
-    def with_door_queue(self, sample: PollSample) -> PollSample:
-        """`sample` with the requests waiting in the door added to vLLM's waiting ones: the evidence of a
-        trial compares the load offered to vLLM, and under the door's cap the surplus waits here."""
-        scrape = sample.scrape
-        queued = self.door.drain_state().queued
-        if scrape is None or scrape.sample is None or not queued:
-            return sample
-        waiting = (scrape.sample.requests_waiting or 0.0) + queued
-        engine = replace(scrape.sample, requests_waiting=waiting)
-        return replace(sample, scrape=replace(scrape, sample=engine))
 
     def status(self) -> dict[str, object]:
         """The door's part of the status document."""
