@@ -35,7 +35,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # tiers runs on one worker, in collection order, beside the rest of the suite spread over both.
 # (A scheduler by path, not xdist's `xdist_group` marks: pytest 9.2 derives `nodeid` from `_id`, so
 # xdist 3.8's loadgroup, which renames `_nodeid`, no longer groups anything.)
-WORKER_GROUPS = ("tests/engine/", "tests/system/")
+# The first prefix that matches names a test's group: the planner's own starts (6 partial vLLM starts that
+# need no other test) run beside the rest of the engine tier, not after it.
+WORKER_GROUPS = ("tests/engine/test_planner_vs_vllm.py", "tests/engine/", "tests/system/")
 
 
 class TierScheduling(LoadScopeScheduling):

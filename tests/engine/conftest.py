@@ -43,7 +43,7 @@ def _engine_order(item: pytest.Item) -> tuple[int, int]:
     one that stops it after them (no start is made for a later user); the planner's comparison last, since
     it reads the starts the others made (`logged_starts`)."""
     module = Path(str(item.fspath)).name
-    if module == "test_planner_vs_vllm.py":
+    if module == "test_planner_vs_logged_starts.py":
         return (3, 0)
     if item.get_closest_marker("stops_tiny_daemon"):
         return (1, 0)
@@ -123,7 +123,7 @@ def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class LoggedStarts:
     """The vLLM starts tests of this tier made, each kept as its argv and a copy of its log (taken when
     kept: the daemon's own log is rotated and pruned later), for the planner's comparison
-    (test_planner_vs_vllm.py), which then reads a case with the same sizing flags instead of starting it."""
+    (test_planner_vs_logged_starts.py), which reads a case with the same sizing flags from them."""
 
     def __init__(self, root: Path) -> None:
         self.root = root

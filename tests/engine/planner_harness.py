@@ -1,9 +1,10 @@
 """Run real vLLM (CPU build) just far enough to read how it sized its KV cache, and compare the planner.
 
-Shared by `tests/engine/test_planner_vs_vllm.py` (pytest, session-scoped) and `bench/planner_accuracy.py`
-(prints a table). One vLLM at a time, sequentially: each start is read only until vLLM logs
-"KV cache size: N tokens" (or refuses with "the estimated maximum model length is N", or dies), then its
-whole process group gets SIGKILL and we wait until no live process of that group is left.
+Shared by `tests/engine/test_planner_vs_vllm.py` and `test_planner_vs_logged_starts.py` (pytest, session-
+scoped) and `bench/planner_accuracy.py` (prints a table). One vLLM at a time, sequentially: each start is
+read only until vLLM logs "KV cache size: N tokens" (or refuses with "the estimated maximum model length is
+N", or dies), then its whole process group gets SIGKILL and we wait until no live process of that group is
+left.
 
 Cases: two tiny random-weight Qwen3 shapes (made by `scripts/make-tiny-model.py`) × three
 `--kv-cache-memory-bytes` values; one refusal per shape (max_model_len too large for the KV bytes); and the
@@ -23,7 +24,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -365,15 +366,21 @@ def run_all(
     cases: Sequence[Case] = DEFAULT_CASES,
     log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True),
     known: Sequence[LoggedStart] = (),
+    shared: Mapping[str, Path] | None = None,
+    cache_dir: Path | None = None,
 ) -> list[CaseResult]:
     """Run every case in order (one vLLM at a time) and compare each with the planner's prediction. A case
     that a start in `known` already made (`LoggedStart.serves`) is read from that start's log.
 
+    `shared`: a model directory already made for a shape (by name), used instead of a new one; with
+    `cache_dir` (default `workdir/cache`), the compile caches of other starts of that very model: vLLM's
+    compile cache is keyed by the model's path, so a case with another start's flags compiles nothing.
+
     The prediction for a case is made from the memory facts measured just before its start (and, for
     `util_predict`, from the calibration of the start named in `calibrated_by`), never from its own log.
     """
-    models: dict[str, Path] = {}
-    infos: dict[str, ModelInfo] = {}
+    models: dict[str, Path] = dict(shared or {})
+    infos = {name: load_model_info(model) for name, model in models.items()}
     calibrations: dict[str, Calibration] = {}
     results: list[CaseResult] = []
     for case in cases:
@@ -387,7 +394,7 @@ def run_all(
         else:
             log(f"[planner-vs-vllm] {case.name}: starting vLLM ...")
             log_path = workdir / "logs" / f"{case.name}.log"
-            outcome = start_and_read(case, model_dir, log_path, workdir / "cache")
+            outcome = start_and_read(case, model_dir, log_path, cache_dir or workdir / "cache")
         calibration = calibrations.get(case.calibrated_by) if case.calibrated_by else None
         verdict = predict(case, info, outcome.facts, calibration)
         if case.kind == "refusal":

