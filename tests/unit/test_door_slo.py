@@ -1,4 +1,4 @@
-"""The door times every generation request it answers (door/proxy.py `_Meter` → core/slo.RequestSample)
+"""The door times every generation request it answers (door/meter.py `Meter` → core/slo.RequestSample)
 and hands the samples to the main loop in batches (`DoorRequests`, through `post`, as its other events):
 streamed with and without usage, non-streamed, a cut stream, a refusal, a 4xx, the client's own clock."""
 

@@ -1,5 +1,5 @@
 """Per-request service levels (core/slo.py) and how the door's meter turns one answer into a sample
-(door/proxy.py `_Meter`): streamed, non-streamed, cut, one token; the window's attainment, goodput and
+(door/meter.py `Meter`): streamed, non-streamed, cut, one token; the window's attainment, goodput and
 percentiles; the bounded ring. Times are given (a fake clock), never read."""
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ from tunerd.core.slo import (
     tpot,
     window_stats,
 )
-from tunerd.door.proxy import _Meter, usage_tokens
+from tunerd.door.meter import Meter, usage_tokens
 
 ARRIVED = 100.0
 
 
 def meter(
     *, sse: bool, first: float | None, last: float, events: int = 0, tail: bytes = b"", waited: float = 0.0
-) -> _Meter:
-    m = _Meter()
+) -> Meter:
+    m = Meter()
     m.sse, m.first, m.last, m.events, m.tail, m.waited = sse, first, last, events, tail, waited
     m.upstream_ttft = None if first is None else first - ARRIVED - waited
     return m

@@ -19,9 +19,10 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from tunerd.core.slo import RequestSample, tpot
+from tunerd.core.slo import RequestSample
 from tunerd.door.admission import PromptLimits
 from tunerd.door.gate import Gate, Refused, Ticket
+from tunerd.door.meter import Meter
 from tunerd.door.metrics import DoorMetrics
 
 # RFC 9110 §7.6.1: connection-specific fields a proxy must not forward, plus the ones a `Connection`
@@ -91,66 +92,6 @@ class _ClientGone(Exception):
         self.answer = answer
 
 
-class _Meter:
-    """One generation request's timings as it goes (door's loop only): filled by `_forward`, turned into a
-    `RequestSample` (core/slo.py) when the answer ends. `first`/`last`: monotonic times of the first and
-    the latest body bytes; `events`: SSE `data: ` events seen; `tail`/`prev`: the last two body chunks
-    (kept by reference; vLLM's `usage` is in the answer's last event or object, read once at the end)."""
-
-    __slots__ = ("events", "first", "gone", "last", "ok", "prev", "sse", "tail", "upstream_ttft", "waited")
-
-    def __init__(self) -> None:
-        self.waited = 0.0
-        self.gone = False
-        self.first: float | None = None
-        self.last = 0.0
-        self.upstream_ttft: float | None = None
-        self.events = 0
-        self.sse = False
-        self.ok = True
-        self.prev = self.tail = b""
-
-    def sample(self, arrived: float, done: float) -> RequestSample:
-        """What the request measured (see core/slo.py for how each figure counts)."""
-        # `usage` ends the answer (a few hundred bytes): at most 8 KiB are copied, once a request.
-        tokens = usage_tokens(self.prev[-4096:] + self.tail[-4096:]) if self.first is not None else None
-        exact = tokens is not None
-        if tokens is None and self.sse and self.first is not None:
-            # No `usage` (the client did not ask for stream_options.include_usage): count token events,
-            # less `[DONE]` — an estimate, and an undercount when one event carries several tokens.
-            tokens = max(0, self.events - 1)
-        first = self.first
-        ttft = None if first is None else (first if self.sse else done) - arrived
-        return RequestSample(
-            done=done,
-            wait_s=self.waited,
-            upstream_ttft_s=self.upstream_ttft,
-            ttft_s=ttft,
-            tokens=tokens,
-            tokens_exact=exact,
-            tpot_s=tpot(first, self.last, tokens) if self.sse and first is not None else None,
-            e2e_s=done - arrived,
-            streamed=self.sse,
-            ok=self.ok,
-        )
-
-
-USAGE_KEY = b'"completion_tokens":'
-
-
-def usage_tokens(tail: bytes) -> int | None:
-    """`usage.completion_tokens` of the last usage object in `tail` (vLLM's final stream event with
-    `stream_options.include_usage`, or a whole answer's `usage`), None when there is none."""
-    at = tail.rfind(USAGE_KEY)
-    if at < 0:
-        return None
-    digits = tail[at + len(USAGE_KEY) :].lstrip()[:12]
-    end = 0
-    while end < len(digits) and 48 <= digits[end] <= 57:
-        end += 1
-    return int(digits[:end]) if end else None
-
-
 @dataclass(frozen=True)
 class _Cut:
     """The upstream cut this attempt before any byte reached the client."""
@@ -201,7 +142,7 @@ class Proxy:
         headers = request_headers(request.headers)
         # Generation requests are timed (core/slo.py): the client's TTFT, TPOT, e2e and the door's wait.
         meter = (
-            _Meter() if self.record is not None and path in DONE_PATHS and request.method == "POST" else None
+            Meter() if self.record is not None and path in DONE_PATHS and request.method == "POST" else None
         )
         cut_epoch: int | None = None
         replays = 0
@@ -248,7 +189,7 @@ class Proxy:
 
     # -- per-request measurement -------------------------------------------------------------------
 
-    def _finished(self, meter: _Meter, arrived: float, answer: web.StreamResponse) -> None:
+    def _finished(self, meter: Meter, arrived: float, answer: web.StreamResponse) -> None:
         """An answer went out: record it unless the client hung up (not the server's speed) or vLLM
         refused the request as invalid (a 4xx: the client's error, not a latency)."""
         status = answer.status
@@ -258,7 +199,7 @@ class Proxy:
             meter.ok = False
         self._measured(meter, arrived, time.monotonic())
 
-    def _measured(self, meter: _Meter, arrived: float, done: float) -> None:
+    def _measured(self, meter: Meter, arrived: float, done: float) -> None:
         assert self.record is not None
         self.record(meter.sample(arrived, done))
 
@@ -272,7 +213,7 @@ class Proxy:
         headers: CIMultiDict[str],
         arrived: float,
         final: bool,
-        meter: _Meter | None = None,
+        meter: Meter | None = None,
     ) -> web.StreamResponse | _Cut:
         """Forward once. Returns the answer (sent) or a _Cut (nothing sent; not when `final`: then a 5xx
         passes through and a connection failure is a _Cut the caller answers with 503)."""
@@ -294,7 +235,7 @@ class Proxy:
         headers: CIMultiDict[str],
         arrived: float,
         final: bool,
-        meter: _Meter | None = None,
+        meter: Meter | None = None,
     ) -> web.StreamResponse | _Cut:
         """The forward itself (see `_attempt`); a failed write to the client raises _ClientGone. `meter`
         (generation requests): the answer's timings, filled once the attempt is the answer (not a _Cut)."""
@@ -378,7 +319,7 @@ class Proxy:
             return out
 
     async def _end_cut_stream(
-        self, out: web.StreamResponse, detail: str, done: bool = True, *, meter: _Meter | None = None
+        self, out: web.StreamResponse, detail: str, done: bool = True, *, meter: Meter | None = None
     ) -> None:
         """A stream the upstream cut after it had started: an error event (vLLM's shape), then the end."""
         self.metrics.count("stream_cut")
