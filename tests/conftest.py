@@ -41,8 +41,10 @@ WORKER_GROUPS = ("tests/engine/test_planner_vs_vllm.py", "tests/engine/", "tests
 
 
 class TierScheduling(LoadScopeScheduling):
-    """xdist's scope scheduling with one scope per tier of WORKER_GROUPS and one per test elsewhere; the
-    largest scope (the engine tier) is handed out first."""
+    """xdist's scope scheduling with one scope per group of WORKER_GROUPS and one per test elsewhere. Scopes
+    go out largest first (by test count: the system tier, the engine tier, the planner's starts), and a
+    worker gets more only when it has 2 tests or fewer left, so the two tiers start at once on the two
+    workers."""
 
     def _split_scope(self, nodeid: str) -> str:
         return next((group for group in WORKER_GROUPS if nodeid.startswith(group)), nodeid)
