@@ -17,8 +17,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tunerd.records.journal import Record
 
@@ -58,8 +57,7 @@ def _token(command: str) -> str:
     return f"operator {command} {os.getpid()}-{time.time_ns()}"
 
 
-@dataclass(frozen=True)
-class _Requested:
+class _Requested(NamedTuple):
     """A command the daemon accepted: its config, the token it carries as its reason, and where the
     journal ended before it was asked (its records come after `offset`)."""
 
@@ -109,12 +107,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
     requested = _request(args, "probe", {})
     if isinstance(requested, int):
         return requested
-    config, token, journal, offset = (
-        requested.config,
-        requested.token,
-        requested.journal,
-        requested.offset,
-    )
+    config, token, journal, offset = requested
     cfg = config.probe
     rounds = math.ceil(cfg.requests / cfg.concurrency)
     bound = cfg.timeout_s * rounds + PROBE_EXTRA_S
@@ -198,7 +191,7 @@ def cmd_explore(args: argparse.Namespace) -> int:
     requested = _request(args, "explore", {"names": names})
     if isinstance(requested, int):
         return requested
-    token, journal, offset = requested.token, requested.journal, requested.offset
+    _, token, journal, offset = requested
     if args.no_follow:
         print("exploration requested; follow it with `tunerd journal -f`")
         return 0
@@ -328,12 +321,7 @@ def cmd_cache_reset(args: argparse.Namespace) -> int:
     requested = _request(args, "cache-reset", {})
     if isinstance(requested, int):
         return requested
-    config, token, journal, offset = (
-        requested.config,
-        requested.token,
-        requested.journal,
-        requested.offset,
-    )
+    config, token, journal, offset = requested
     bound = cache_reset_bound_s(config.cache_reset.retries, config.cache_reset.retry_after_s)
     for record in _records_until(journal, offset, time.monotonic() + bound):
         if record.get("trigger") != token or not str(record.get("event")).startswith("cache_reset."):
