@@ -22,6 +22,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "engine"))
+sys.path.insert(0, str(REPO))  # planner_harness imports tests.harness
 
 from planner_harness import DEFAULT_CASES, format_table, run_all  # noqa: E402
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -32,10 +33,43 @@ FIXTURES = REPO / "tests" / "fixtures"
 Record = dict[str, Any]
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing holds now, for a server a test is about to start.
+
+    Drawn below the kernel's ephemeral range, never from it: a port that bind(0) handed out and the test
+    released can be handed again to any socket bound to port 0, or to any outgoing connection, before the
+    test's server binds it. CI saw it: a daemon's export listener (port 0) took the port its vLLM was
+    about to bind, and the start waited on "port … is held by" the daemon itself until FATAL. The xdist
+    workers draw from separate slices, and one process never hands out the same port twice.
+    """
+    top = _ephemeral_start()
+    bottom = max(1024, top - 12000)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    size = (top - bottom) // max(workers, 1)
+    first = bottom + size * (worker % max(workers, 1))
+    for _ in range(size):
+        port = random.randrange(first, first + size)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free port in {first}..{first + size}")
 
 
 def short_socket_path(workdir: Path) -> str:

@@ -20,7 +20,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.harness import free_port
 from tunerd.core.machine import MemoryFacts
 from tunerd.core.model import ModelInfo
 from tunerd.core.params import EngineParams
@@ -209,12 +209,6 @@ def make_model(shape: TinyShape, root: Path) -> Path:
     return target
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _kill_group(proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
     """SIGKILL the whole process group of `proc` and wait until none of its live members is left."""
     pgid = proc.pid  # start_new_session=True: the child leads its own group
@@ -260,7 +254,7 @@ def start_and_read(case: Case, model_dir: Path, log_path: Path, cache_dir: Path)
     started = time.monotonic()
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(
-            case.argv(model_dir, _free_port()),
+            case.argv(model_dir, free_port()),
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

@@ -24,7 +24,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.harness import holds_for, wait_until
+from tests.harness import free_port, holds_for, wait_until
 
 TESTS = Path(__file__).resolve().parents[1]
 FAKE = TESTS / "fake_vllm" / "fake_vllm.py"
@@ -43,12 +43,6 @@ ENGINE_DEAD_BODY = json.loads(
     '{"error":{"message":"EngineCore encountered an issue. See stack trace (above) for the root cause.",'
     '"type":"InternalServerError","param":null,"code":500}}'
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -231,6 +231,11 @@ def test_the_door_needs_a_port_of_its_own_and_vllm_on_loopback() -> None:
     assert not parse_config({"engine": engine}).door.enabled  # off unless the config turns it on
 
 
+def test_vllm_and_the_metrics_export_need_ports_of_their_own() -> None:
+    (problem,) = _problems({"engine": {"model": "/m", "port": 9464}})
+    assert problem.startswith("t.toml: (top level): export: port 9464 is also engine.port")
+
+
 def test_a_probe_longer_than_the_context_is_refused_at_load() -> None:
     data = {"engine": {"model": "/m", "params": {"max_model_len": 200}}, "probe": {"prompt_tokens": 128}}
     (problem,) = _problems(data)

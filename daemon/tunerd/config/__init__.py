@@ -363,6 +363,8 @@ class Config(_Section):
     def _door_in_front_of_a_private_vllm(self) -> Config:
         """With the door on, clients use door.port and vLLM listens on loopback, on a port of its own."""
         door, engine = self.door, self.engine
+        if engine.port == self.export.port:
+            raise ValueError(f"export: port {engine.port} is also engine.port: vLLM needs a port of its own")
         if not door.enabled:
             return self
         if door.port == engine.port:

@@ -91,6 +91,8 @@ def port_holder(port: int) -> str:
     with contextlib.suppress(psutil.Error, OSError):
         for conn in psutil.net_connections(kind="tcp"):
             if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN and conn.pid:
+                if conn.pid == os.getpid():  # export.port = 0 lets the kernel pick any free port
+                    return f"this tunerd (pid {conn.pid}: one of its own listeners; give vLLM another port)"
                 return f"pid {conn.pid} ({read_comm(conn.pid)})"
     return "another process"
 
