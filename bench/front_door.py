@@ -6,7 +6,9 @@
 Starts real vLLM (`python -m vllm.entrypoints.openai.api_server --model DIR --port P --max-model-len 512
 --kv-cache-memory-bytes 100000000 --block-size 32`; a tiny model by scripts/make-tiny-model.py unless
 --model is given; never --enforce-eager), then, each in a process of its own, tunerd's door as the daemon
-runs it (tokenizer and max_model_len set, event loop "auto") and, for the choice of stack, a minimal ASGI
+runs it (tokenizer and max_model_len set, event loop "auto", every generation request timed for the
+objective: door/meter.py), the same door with that per-request accounting off ("door-unmetered": the door
+before it, the "before" of the accounting's cost) and, for the choice of stack, a minimal ASGI
 pass-through (uvicorn + httpx.AsyncClient). The client is this process (aiohttp, one keep-alive session
 per target); targets are interleaved request by request, the order rotating.
 
@@ -16,8 +18,10 @@ the same for the time to the first streamed body chunk (the door sends a stream'
 chunk); tokens/s of `--streams` concurrent streams x `--stream-requests` x `--stream-tokens`, ratio to
 direct; the door's own tunerd_door_added_latency_seconds histogram. Then the proxies alone against a null
 upstream (a fixed JSON answer at once): added latency and each serving process's CPU time per request
-(/proc), for the door on asyncio's loop and on uvloop, and the ASGI pass-through.
-Targets: added latency p50 < 0.6 ms, p99 < 3 ms (time to first byte likewise); throughput ratio >= 0.95.
+(/proc), for the door on asyncio's loop and on uvloop, unmetered, and the ASGI pass-through. Last, what the
+per-request accounting adds: the door's added latency minus the unmetered door's, per repeat.
+Targets: added latency p50 < 0.6 ms, p99 < 3 ms (time to first byte likewise), with the accounting on;
+throughput ratio >= 0.95.
 """
 
 from __future__ import annotations
@@ -50,19 +54,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+UNMETERED = ":unmetered"  # a door loop name's suffix: the door with its per-request accounting off
+
+
 # -- the servers under test, each in a process of its own ----------------------------------------------------
 
 
 def serve_door(upstream: str, port: int, metrics_port: int, model: str, loop: str) -> None:
-    """tunerd's door as the daemon runs it, with its metrics on `metrics_port`."""
+    """tunerd's door as the daemon runs it, with its metrics on `metrics_port`; `loop` ending in
+    UNMETERED: without its per-request accounting (the proxy times a request only when the door gives
+    it a recorder)."""
     from prometheus_client import CollectorRegistry, start_http_server
 
     from tunerd.door import Door, DoorConfig
 
+    class Unmetered(Door):
+        _record = None  # type: ignore[assignment]
+
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})  # for sigwait, in every thread
     registry = CollectorRegistry()
+    loop, metered = loop.removesuffix(UNMETERED), not loop.endswith(UNMETERED)
     config = DoorConfig(port=port, event_loop=loop)  # type: ignore[arg-type]
-    door = Door(config, post=lambda event: None, registry=registry, model_dir=model)
+    kind = Door if metered else Unmetered
+    door = kind(config, post=lambda event: None, registry=registry, model_dir=model)
     door.start()
     door.set_max_model_len(512)
     door.set_upstream(upstream, "serving")
@@ -203,6 +217,15 @@ def added_lines(title: str, urls: dict, p50: dict, p99: dict, limit50: float, li
         say(f"  {'':21s} p99 {spread(add99)} [< {limit99 * 1e3:g} ms: {ok99}]")
 
 
+def accounting_lines(title: str, metered: str, p50: dict, p99: dict) -> None:
+    """What the per-request accounting adds: `metered`'s latency minus the unmetered door's, per repeat
+    (both measured in the same rounds, interleaved)."""
+    add50 = [a - b for a, b in zip(p50[metered], p50["door-unmetered"], strict=True)]
+    add99 = [a - b for a, b in zip(p99[metered], p99["door-unmetered"], strict=True)]
+    say(f"  per-request accounting ({title}: {metered} - door-unmetered)")
+    say(f"  {'':21s} p50 {spread(add50)}   p99 {spread(add99)}")
+
+
 async def against_vllm(args: argparse.Namespace, urls: dict[str, str], model: str) -> None:
     plain = {"model": model, **BODY}
     streamed = {"model": model, "prompt": BODY["prompt"], "max_tokens": 4, "stream": True, "ignore_eos": True}
@@ -239,7 +262,9 @@ async def against_vllm(args: argparse.Namespace, urls: dict[str, str], model: st
     added_lines(
         "non-streaming request latency (max_tokens 1)", urls, stats["p50"], stats["p99"], 0.6e-3, 3e-3
     )
+    accounting_lines("request latency", "door", stats["p50"], stats["p99"])
     added_lines("time to first streamed byte", urls, stats["t50"], stats["t99"], 0.6e-3, 3e-3)
+    accounting_lines("time to first byte", "door", stats["t50"], stats["t99"])
     shape = (
         f"{args.streams} concurrent streams x {args.stream_requests} requests x {args.stream_tokens} tokens"
     )
@@ -280,6 +305,7 @@ async def against_null(args: argparse.Namespace, urls: dict[str, str], pids: dic
     say("")
     say(f"the proxies alone, against a null upstream: {args.repeats} repeats x {n} requests per target")
     added_lines("request latency", urls, p50, p99, 0.6e-3, 3e-3)
+    accounting_lines("request latency", "door-uvloop", p50, p99)
     say("CPU time per request of the serving process (user + system; direct: the null upstream itself)")
     for t in urls:
         say(f"  {t:12s} {spread(cpu[t], 'us', 1e6)}")
@@ -403,7 +429,8 @@ def main() -> None:
     try:
         upstream = args.upstream.rstrip("/") if args.upstream else start_vllm(children, model)
         metrics_port = free_port()
-        urls, pids = children.proxies(upstream, model, {"door": "auto", "asgi": None}, metrics_port)
+        doors = {"door": "auto", "door-unmetered": "auto" + UNMETERED, "asgi": None}
+        urls, pids = children.proxies(upstream, model, doors, metrics_port)
         asyncio.run(against_vllm(args, urls, str(model)))
         histogram = door_histogram(f"http://127.0.0.1:{metrics_port}/metrics")
         say(f"door's own added-latency histogram: {histogram}")
@@ -412,7 +439,12 @@ def main() -> None:
         null_pid = children.serve(
             "null", ["--serve-null", str(null_port)], f"http://127.0.0.1:{null_port}/health"
         )
-        loops = {"door-asyncio": "asyncio", "door-uvloop": "uvloop", "asgi": None}
+        loops = {
+            "door-asyncio": "asyncio",
+            "door-uvloop": "uvloop",
+            "door-unmetered": "uvloop" + UNMETERED,
+            "asgi": None,
+        }
         urls, pids = children.proxies(f"http://127.0.0.1:{null_port}", model, loops, free_port())
         asyncio.run(against_null(args, urls, {**pids, "direct": null_pid}))
         say(f"\nload average {os.getloadavg()[0]:.2f} at the end")

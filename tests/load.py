@@ -28,6 +28,10 @@ class LoadStats:
     completion_tokens: int = 0
     latencies_s: list[float] = field(default_factory=list)
     stream_cut: int = 0  # streams that ended with an error event (and then [DONE] or the end)
+    # One per whole streamed answer, on the clients' own clock: (done, TTFT, TPOT). `done` is
+    # time.monotonic() at the end; TTFT from the send to the first token event; TPOT = (last − first
+    # token event) / (tokens − 1), None for a one-token answer.
+    streamed: list[tuple[float, float, float | None]] = field(default_factory=list)
 
 
 class ClosedLoopLoad:
@@ -107,6 +111,7 @@ class ClosedLoopLoad:
 
     def _streamed(self, client: httpx.Client, body: dict[str, object], started: float) -> None:
         tokens, error, done = 0, False, False
+        first = last = 0.0
         try:
             with client.stream("POST", self.url, json={**body, "stream": True}) as answer:
                 if answer.status_code != 200:
@@ -121,9 +126,13 @@ class ClosedLoopLoad:
                         error |= "error" in event
                         # A token event: text, or none yet finished (a random-weight model's token may
                         # decode to "" — a partial UTF-8 byte — and still be a token).
-                        tokens += sum(
+                        got = sum(
                             1 for c in event.get("choices", ()) if c.get("text") or not c.get("finish_reason")
                         )
+                        if got:
+                            last = time.monotonic()
+                            first = first or last
+                        tokens += got
         except httpx.HTTPError as exc:
             self._failed(f"stream: {type(exc).__name__} after {tokens} tokens")
             return
@@ -133,7 +142,10 @@ class ClosedLoopLoad:
             elif done and tokens > 0:
                 self.stats.ok += 1
                 self.stats.completion_tokens += tokens
-                self.stats.latencies_s.append(time.monotonic() - started)
+                ended = time.monotonic()
+                self.stats.latencies_s.append(ended - started)
+                tpot = (last - first) / (tokens - 1) if tokens > 1 else None
+                self.stats.streamed.append((ended, first - started, tpot))
             else:
                 self.stats.errors.append(
                     f"stream ended after {tokens} token events, {'with' if done else 'without'} [DONE]"
