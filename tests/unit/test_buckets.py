@@ -6,15 +6,18 @@ bucket while the clients' per-token p95 ranged 1.6–4.6 ms)."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
+from tests.unit.test_trial_verdict import saturated, verdict
 from tunerd.cli.status import render_status
 from tunerd.cli.tuning import render_rules
 from tunerd.config.rules import Rule, parse_term
 from tunerd.core.engine_sample import EngineSample, Histogram, monotonic_counts, quantile_bucket
 from tunerd.core.signal_window import SignalWindow, quantile_bucket_of
+from tunerd.policy.evidence import WindowStats
 from tunerd.policy.rules import RuleState, bucket_holds, eased, evaluate, term_value
 
 # vLLM's own bucket edges (tests/fixtures: vllm:time_to_first_token_seconds, inter_token_latency_seconds).
@@ -172,3 +175,66 @@ def test_a_term_that_moved_within_its_bucket_did_not_ease() -> None:
     # 2.02 → 1.1 s (−46 %) in the same bucket 1.0–2.5 s: interpolation moved, the evidence did not.
     assert not eased(rule, before, terms(1.1, 1.0, 2.5), 0.1)
     assert eased(rule, before, terms(0.9, 0.75, 1.0), 0.1)  # a bucket wholly below: no longer holds
+
+
+# -- the verdict's latency limits ------------------------------------------------------------------
+
+
+def with_latency(stats: WindowStats, **hists: Histogram) -> WindowStats:
+    """`stats` with its latency percentiles (values and fields) from `hists` over a window."""
+    signals = window(**hists).signals()
+    names = [n for n in signals if n.startswith(("ttft.", "itl."))]
+    values = {**stats.values, **{n: signals[n] for n in names}}
+    return replace(stats, values=values, ttft_p95=values["ttft.p95"], itl_p95=values["itl.p95"])
+
+
+FAST_ITL = hist(ITL_LE, {0.01: 1000.0})  # p95 9.5 ms, bucket (0, 10 ms]
+
+
+def test_a_ttft_limit_inside_the_after_windows_bucket_is_not_broken() -> None:
+    after = with_latency(saturated(gen_per_s=120.0), ttft=ISSUE_TTFT, inter_token_latency=FAST_ITL)
+    before = with_latency(saturated(), ttft=ISSUE_TTFT, inter_token_latency=FAST_ITL)
+    result = verdict(before, after, ttft_p95_max_s=2.0)  # 2.02 s interpolated, in (1.0, 2.5]
+    assert result.decision == "keep", result.reason
+    slow = with_latency(after, ttft=hist(TTFT_LE, {5.0: 100.0}))  # wholly above: (2.5, 5.0]
+    result = verdict(before, slow, ttft_p95_max_s=2.0)
+    assert result.decision == "revert" and "(bucket 2.5–5 s)" in result.reason
+
+
+def test_an_itl_increase_within_one_bucket_breaks_no_limit() -> None:
+    # 4.75 ms → 9.5 ms: +100 % interpolated, both in the first bucket (0–10 ms): nothing is known to grow.
+    before = with_latency(saturated(), inter_token_latency=hist(ITL_LE, {0.01: 1000.0}))
+    before = replace(before, itl_p95=0.00475, values={**before.values, "itl.p95": 0.00475})
+    after = with_latency(saturated(gen_per_s=120.0), inter_token_latency=FAST_ITL)
+    result = verdict(before, after, itl_p95_max_increase=0.5)
+    assert result.decision == "keep", result.reason
+    # Into a bucket wholly above before's (10–25 ms): broken.
+    slower = with_latency(after, inter_token_latency=hist(ITL_LE, {0.025: 1000.0}))
+    result = verdict(before, slower, itl_p95_max_increase=0.5)
+    assert result.decision == "revert" and "itl_p95_max_increase" in result.reason
+    assert "(bucket 10–25 ms)" in result.reason
+
+
+def test_an_absolute_itl_limit_inside_the_first_bucket_is_not_broken() -> None:
+    before = with_latency(saturated(), inter_token_latency=FAST_ITL)
+    after = with_latency(saturated(gen_per_s=120.0), inter_token_latency=FAST_ITL)
+    assert verdict(before, after, itl_p95_max_s=0.005).decision == "keep"  # 9.5 ms, but in (0, 10 ms]
+
+
+def test_the_doors_exact_figures_decide_the_limits_where_it_measured_them() -> None:
+    before = with_latency(saturated(), ttft=ISSUE_TTFT, inter_token_latency=FAST_ITL)
+    after = with_latency(saturated(gen_per_s=120.0), ttft=ISSUE_TTFT, inter_token_latency=FAST_ITL)
+    # The clients waited 3 s at p95 (the door's queue counts): broken though vLLM's bucket is undecided.
+    door = replace(after, values={**after.values, "door.ttft.p95": 3.0})
+    result = verdict(before, door, ttft_p95_max_s=2.0)
+    assert result.decision == "revert" and "clients' TTFT p95 (door) 3.000 s" in result.reason
+    # The clients' time per token, exact: 4.6 ms is under a 5 ms limit vLLM's 9.5 ms could not show.
+    door = replace(after, values={**after.values, "door.tpot.p95": 0.0046})
+    assert verdict(before, door, itl_p95_max_s=0.005).decision == "keep"
+    door = replace(after, values={**after.values, "door.tpot.p95": 0.0051})
+    assert verdict(before, door, itl_p95_max_s=0.005).decision == "revert"
+    # The increase compares like with like: the door's on both sides, exact.
+    b = replace(before, values={**before.values, "door.tpot.p95": 0.0016})
+    a = replace(after, values={**after.values, "door.tpot.p95": 0.0046})
+    result = verdict(b, a, itl_p95_max_increase=1.0)
+    assert result.decision == "revert" and "clients' TPOT p95 (door) 1.6 ms → 4.6 ms" in result.reason
