@@ -17,7 +17,7 @@ import pytest
 
 from tests.unit.fakes import FakeOsCalls, make_config, write_meminfo
 from tunerd.cli.status import render_status
-from tunerd.config.rules import parse_term
+from tunerd.config.rules import StepAction, load_rules, parse_term
 from tunerd.core.engine_sample import EngineSample
 from tunerd.core.slo import RequestSample
 from tunerd.door import DoorRequests, DrainState
@@ -26,11 +26,14 @@ from tunerd.observe.gpu import GpuSample
 from tunerd.observe.poller import PollSample
 from tunerd.observe.vllm_metrics import ScrapeResult
 from tunerd.policy.evidence import Point, window_stats
-from tunerd.policy.rules import term_value
+from tunerd.policy.rules import RuleState, evaluate, term_value
 from tunerd.records.state import DaemonState, StateStore
 from tunerd.supervisor import Supervisor
 
 RUN = 7
+PLAYBOOK = Path(__file__).resolve().parents[2] / "etc" / "tunerd" / "rules.toml"
+# vLLM's limits: raising them lets more of vLLM's own queue in; they cannot relieve the door's queue.
+VLLM_LIMITS = {"max_num_seqs", "max_num_batched_tokens"}
 
 
 @pytest.fixture
@@ -60,7 +63,9 @@ def supervisor(tmp_path: Path) -> Iterator[Supervisor]:
         sup.journal.close()
 
 
-def poll(sup: Supervisor, now: float, waiting_in_vllm: float, queued_in_door: int) -> list[Any]:
+def poll(
+    sup: Supervisor, now: float, waiting_in_vllm: float, queued_in_door: int, preemptions: float | None = None
+) -> list[Any]:
     """Feed one poll of a serving run through `_on_poll`; return what the tuner was handed."""
     assert sup.lifecycle is not None and sup.tuner is not None and sup.door_link is not None
     sup.lifecycle.engine.run = SimpleNamespace(run_id=RUN)  # type: ignore[assignment]
@@ -69,7 +74,12 @@ def poll(sup: Supervisor, now: float, waiting_in_vllm: float, queued_in_door: in
     sup.tuner.on_poll = lambda sample, signals, now: handed.append(sample)  # type: ignore[method-assign]
     door = sup.door_link.door
     door.drain_state = lambda: DrainState("serving", 16, queued_in_door, 16)  # type: ignore[method-assign]
-    engine = EngineSample(requests_running=16.0, requests_waiting=waiting_in_vllm, kv_cache_usage=0.3)
+    engine = EngineSample(
+        requests_running=16.0,
+        requests_waiting=waiting_in_vllm,
+        kv_cache_usage=0.3,
+        preemptions_total=preemptions,
+    )
     sample = PollSample(
         RUN, now, ScrapeResult(engine, None, 0.01, 100), None, GpuSample(False, "no NVML", now), {}
     )
@@ -100,6 +110,46 @@ def test_requests_waiting_in_the_door_are_not_requests_waiting_in_vllm(superviso
     stats = window_stats(points, now, now + 2, max_num_seqs=None, saturated_waiting=0.5)
     assert stats is not None and stats.waiting_avg == 112.0 and stats.saturated
     assert stats.waiting_max == 0.0
+
+
+def test_the_shipped_rule_does_not_raise_max_num_seqs_for_a_queue_the_doors_cap_holds(
+    supervisor: Supervisor,
+) -> None:
+    # Issue 21: with the cap at 16 or below, kv-cache-room-while-waiting fired four times on
+    # requests.waiting_max 112-120 - the door's queue - with the KV cache 23-40 % full, and doubled
+    # max_num_seqs by a restart. Here the door holds 100, vLLM none, the KV cache 30 % full, no preemption:
+    # every poll through the real `_on_poll`, the rule evaluated on the live signals as the tuner does.
+    (rule,) = [r for r in load_rules(str(PLAYBOOK)).rules if r.name == "kv-cache-room-while-waiting"]
+    start = supervisor.monotonic()
+    state, fired = RuleState(), []
+    for i in range(int((rule.for_s + 120) / 5)):
+        now = start + 5.0 * i
+        poll(supervisor, now, waiting_in_vllm=0.0, queued_in_door=100, preemptions=0.0)
+        result = evaluate(rule, state, supervisor.signals, {}, now)
+        state, fired = result.state, [*fired, result.fired]
+    assert supervisor.signals["door.waiting_max"] == 100.0 and supervisor.signals["preemptions.rate"] == 0.0
+    assert result.holds is False and not any(fired)
+    # The same queue in vLLM itself (the batch limit holding it back) does fire it: the rule still works.
+    start = now
+    for i in range(1, int((rule.for_s + 120) / 5)):
+        now = start + 5.0 * i
+        poll(supervisor, now, waiting_in_vllm=100.0, queued_in_door=0, preemptions=0.0)
+        result = evaluate(rule, state, supervisor.signals, {}, now)
+        state, fired = result.state, [*fired, result.fired]
+    assert any(fired)
+
+
+def test_no_shipped_rule_that_raises_vllms_limits_reads_the_doors_queue() -> None:
+    # Raising max_num_seqs or max_num_batched_tokens can only relieve vLLM's own queue (requests.waiting*).
+    raising = []
+    for rule in load_rules(str(PLAYBOOK)).rules:
+        action = rule.action
+        up = isinstance(action, StepAction) and action.direction == "up"
+        if up and VLLM_LIMITS & {action.param, *action.then}:  # type: ignore[union-attr]
+            raising.append(rule.name)
+            waits = [t.signal for t in rule.terms if "waiting" in t.signal]
+            assert all(w.startswith("requests.waiting") for w in waits), (rule.name, waits)
+    assert "kv-cache-room-while-waiting" in raising
 
 
 def test_the_doors_requests_become_attainment_goodput_and_client_percentiles(supervisor: Supervisor) -> None:

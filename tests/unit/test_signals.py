@@ -40,7 +40,7 @@ def test_catalogue_names_are_unique_dotted_lowercase_with_units() -> None:
     for spec in SIGNALS:
         assert re.fullmatch(r"[a-z0-9_]+(\.[a-z0-9_]+)+", spec.name), spec.name
         assert spec.unit and spec.source and spec.description
-        assert spec.kind in {"last", "avg", "max", "min", "rate", "ratio", "quantile", "probe"}
+        assert spec.kind in {"last", "avg", "max", "min", "rate", "ratio", "quantile", "bucket", "probe"}
 
 
 def test_catalogue_has_the_signals_rules_will_name() -> None:

@@ -78,13 +78,39 @@ def render_status(doc: dict[str, Any]) -> str:
     signals = doc.get("signals") or {}
     if signals:
         lines.append("signals:")
-        width = max(len(name) for name in signals)
-        for name, entry in sorted(signals.items()):
-            value, unit = (
-                (entry.get("value"), entry.get("unit", "")) if isinstance(entry, dict) else (entry, "")
-            )
-            lines.append(f"  {name:<{width}}  {_number(value):>14}  {unit}")
+        lines.extend(_signal_lines(signals))
     return "\n".join(lines)
+
+
+def _signal_lines(signals: dict[str, Any]) -> list[str]:
+    """One line per signal; a histogram percentile carries the bucket it falls in on its own line
+    ("ttft.p95  2.02  s  (bucket 1–2.5 s)") instead of its `.lo`/`.hi` edge signals."""
+
+    def value_of(name: str) -> Any:
+        entry = signals.get(name)
+        return entry.get("value") if isinstance(entry, dict) else entry
+
+    edges = {n for n in signals if n.endswith((".lo", ".hi")) and n.rsplit(".", 1)[0] in signals}
+    names = sorted(n for n in signals if n not in edges)
+    width = max(len(name) for name in names) if names else 0
+    lines = []
+    for name in names:
+        entry = signals[name]
+        unit = entry.get("unit", "") if isinstance(entry, dict) else ""
+        line = f"  {name:<{width}}  {_number(value_of(name)):>14}  {unit}"
+        lo = value_of(name + ".lo")
+        if value_of(name) is not None and lo is not None:
+            line += f"  (bucket {bucket_text([lo, value_of(name + '.hi')], unit)})"
+        lines.append(line)
+    return lines
+
+
+def bucket_text(bucket: list[Any], unit: str = "s") -> str:
+    """A histogram bucket `(lo, hi]` as "1–2.5 s" ("above 60 s" for the +Inf bucket: hi None)."""
+    lo, hi = bucket
+    if hi is None:
+        return f"above {_number(lo)} {unit}".rstrip()
+    return f"{_number(lo)}–{_number(hi)} {unit}".rstrip()
 
 
 def objective_lines(objective: dict[str, Any]) -> list[str]:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from tunerd.cli.common import ask_daemon, journal_path
+from tunerd.cli.status import bucket_text
 from tunerd.config import default_config_path
 from tunerd.records.journal import Record, read_records
 
@@ -132,6 +133,10 @@ def render_rules(tuning: dict[str, Any]) -> str:
         for term in rule.get("terms") or []:
             value = "no data" if term.get("value") is None else f"{term['value']:.4g}"
             verdict = {True: "holds", False: "does not hold", None: "unknown"}[term.get("holds")]
+            if term.get("undecidable"):  # the threshold lies inside the percentile's histogram bucket
+                verdict = "undecidable at this bucket"
+            if term.get("bucket"):
+                verdict += f" (bucket {bucket_text(term['bucket'])})"
             lines.append(f"    {term['term']:<44} now {value:<10} {verdict}")
     return "\n".join(lines)
 

@@ -69,7 +69,7 @@ def bucket_quantile(q: float, bounds: tuple[float, ...], counts: list[float]) ->
     if total <= 0:
         return None
     rank = q * total
-    b = bisect_left(counts, rank, 0, len(counts) - 1)  # the first bucket holding the rank-th observation
+    b = _bucket_index(rank, counts)
     if b == len(counts) - 1:
         return bounds[-2]
     if b == 0 and bounds[0] <= 0:
@@ -78,3 +78,30 @@ def bucket_quantile(q: float, bounds: tuple[float, ...], counts: list[float]) ->
     if b > 0:
         start, count, rank = bounds[b - 1], count - counts[b - 1], rank - counts[b - 1]
     return start + (bounds[b] - start) * (rank / count)
+
+
+def quantile_bucket(q: float, bounds: tuple[float, ...], counts: list[float]) -> tuple[float, float] | None:
+    """The bucket `(lo, hi]` that `bucket_quantile` interpolates in, over the same monotonic counts: the
+    bucket holding the ⌈q·N⌉-th of the N observations, so the true q-quantile (nearest rank) lies in it —
+    an observation counts in the bucket whose `le` is the first at or above it, hence lo exclusive, hi
+    inclusive. The first bucket's lower edge is 0 (Prometheus assumes no negative observation below a
+    positive first bound; latencies are never negative); the `+Inf` bucket's upper edge is inf (there
+    `histogram_quantile` answers its lower edge). None without observations, or where the first bound is
+    not positive (no lower edge is known; vLLM's latency buckets all start above 0).
+
+    Interpolation assumes the observations spread evenly in the bucket, which vLLM's coarse buckets do not
+    bear out: the issue 21 run read TTFT p95 2.02 s between the 1.0 and 2.5 s edges while no client waited
+    over 1.26 s, and ITL p95 9.5 ms in every window from the 0–10 ms bucket. The bucket is what is known.
+    """
+    total = counts[-1]
+    if total <= 0:
+        return None
+    b = _bucket_index(q * total, counts)
+    if b == 0:
+        return (0.0, bounds[0]) if bounds[0] > 0 else None
+    return bounds[b - 1], bounds[b]
+
+
+def _bucket_index(rank: float, counts: list[float]) -> int:
+    """The first bucket whose cumulative count reaches `rank`: it holds the rank-th observation."""
+    return bisect_left(counts, rank, 0, len(counts) - 1)

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 class SignalSpec:
     """One published signal. `kind` says how it is computed over the window: `last` (latest poll),
     `avg`/`max`/`min` (over the window's readings), `rate` (counter increase per second), `ratio`
-    (increase of one counter over another's), `quantile` (from histogram bucket increases); `probe`
-    signals are the last probe's figures, not a window's."""
+    (increase of one counter over another's), `quantile` (from histogram bucket increases), `bucket`
+    (an edge of the bucket a quantile falls in: `<quantile>.lo`, `<quantile>.hi`); `probe` signals are
+    the last probe's figures, not a window's."""
 
     name: str
     unit: str
@@ -53,7 +54,8 @@ SIGNAL_TABLE: tuple[tuple[str, str, str, object, str, str], ...] = (
      "vllm:cache_config_info label kv_cache_size_tokens", "KV-cache capacity as vLLM resolved it"),
     ("requests.running", "requests", "last", "vllm.requests_running", _RUN, "requests in the batch, latest"),
     ("requests.running_avg", "requests", "avg", "vllm.requests_running", _RUN, "mean over the window"),
-    ("requests.waiting", "requests", "last", "vllm.requests_waiting", _WAIT, "requests queued, latest"),
+    ("requests.waiting", "requests", "last", "vllm.requests_waiting", _WAIT,
+     "requests queued in vLLM's scheduler, latest poll; never the door's (door.waiting)"),
     ("requests.waiting_avg", "requests", "avg", "vllm.requests_waiting", _WAIT, "mean over the window"),
     ("requests.waiting_max", "requests", "max", "vllm.requests_waiting", _WAIT, "max over the window"),
     ("requests.completed_rate", "1/s", "rate", "vllm.e2e_latency", "vllm:e2e_request_latency_seconds",
@@ -69,9 +71,17 @@ SIGNAL_TABLE: tuple[tuple[str, str, str, object, str, str], ...] = (
      "vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total (old: vllm:gpu_prefix_cache_*)",
      "increase of hit tokens / increase of queried tokens; None without queries"),
     *(
-        (f"{short}.p{round(q * 100)}", "s", "quantile", (name, q), metric,
-         f"{q:g} quantile of the window's observations (histogram_quantile of bucket increases)")
+        row
         for short, name, metric in _LAT for q in (0.5, 0.95, 0.99)
+        for p in (f"{short}.p{round(q * 100)}",)
+        for row in (
+            (p, "s", "quantile", (name, q), metric,
+             f"{q:g} quantile of the window's observations (histogram_quantile of bucket increases)"),
+            (f"{p}.lo", "s", "bucket", (p, 0), metric,
+             f"lower edge of the bucket {p} falls in (exclusive): the true quantile is above it"),
+            (f"{p}.hi", "s", "bucket", (p, 1), metric,
+             f"upper edge of the bucket {p} falls in (inclusive); None in the +Inf bucket (no edge)"),
+        )
     ),
     ("door.waiting", "requests", "last", "door.waiting", _DOOR,
      "requests waiting in the door (its admission queue, a hold across a restart), latest poll; "

@@ -13,7 +13,10 @@ name: names ending in `_total` (plus `extra_counters`) are counters, all others 
 - Counter rates survive a vLLM restart: a decrease is a reset and the new value counts from zero
   (Prometheus `rate()`), so a rate is never negative. Histograms are handled the same way, per bucket.
 - Quantiles interpolate inside the bucket like Prometheus `histogram_quantile`, over the bucket
-  increases in the window; no observation in the window → None.
+  increases in the window; no observation in the window → None. Each quantile `q` also gives the edges
+  of the bucket it falls in, `q.lo` and `q.hi` (`bounds`, `quantile_bucket`): what the histogram knows;
+  the interpolated value inside is a guess (issue 21: TTFT p95 2.02 s between the 1.0 and 2.5 s edges
+  while no client waited over 1.26 s).
 Cost: a poll appends to one deque per input, dropping that series' points older than the window as it
 goes; rates and quantiles use only the first and last point of a series (resets are folded into an
 offset at add time), max and min a monotonic queue, so no signal re-scans the window; signals are
@@ -29,7 +32,7 @@ from math import isfinite
 from operator import add, attrgetter, lt, sub
 from typing import TYPE_CHECKING
 
-from tunerd.core.engine_sample import bucket_quantile, histogram_quantile, monotonic_counts
+from tunerd.core.engine_sample import bucket_quantile, histogram_quantile, monotonic_counts, quantile_bucket
 from tunerd.core.signal_catalog import KEY_INDICATORS, SIGNAL_TABLE, SIGNALS, SignalSpec, signals_markdown
 
 if TYPE_CHECKING:
@@ -42,6 +45,7 @@ __all__ = [
     "SignalSpec",
     "SignalWindow",
     "histogram_quantile",
+    "quantile_bucket_of",
     "signals_markdown",
 ]
 
@@ -342,6 +346,14 @@ class SignalWindow:
         counts = monotonic_counts(delta[1])
         for signal, q in wanted:
             out[signal] = bucket_quantile(q, les, counts)  # type: ignore[arg-type]
+            edges = quantile_bucket(q, les, counts)  # type: ignore[arg-type]
+            if edges is not None:  # the +Inf bucket's upper edge is None: no edge (JSON has no inf)
+                out[signal + ".lo"], out[signal + ".hi"] = edges[0], edges[1] if isfinite(edges[1]) else None
+
+    def bounds(self, name: str) -> tuple[float, float] | None:
+        """The bucket `(lo, hi]` the histogram quantile signal `name` (`ttft.p95`, ...) falls in, hi inf in
+        the `+Inf` bucket; None when `name` is unknown or not a histogram quantile."""
+        return quantile_bucket_of(self.signals(), name)
 
     def update(
         self,
@@ -354,6 +366,20 @@ class SignalWindow:
         """`add` then `signals`: the per-poll call."""
         self.add(now, engine, readings, scraped=scraped)
         return self.signals()
+
+
+def quantile_bucket_of(signals: Mapping[str, float | None], name: str) -> tuple[float, float] | None:
+    """The bucket `(lo, hi]` of the histogram quantile `name` from its edge signals `name.lo`, `name.hi`
+    (a window's, a trial's or the live signals): hi inf where `name.hi` is None beside a known lower edge
+    (the `+Inf` bucket). None when the lower edge is unknown: an exact figure (`door.ttft.p95`), a signal
+    that is not a histogram quantile, or no observation."""
+    if signals.get(name) is None:
+        return None
+    lo = signals.get(name + ".lo")
+    if lo is None:
+        return None
+    hi = signals.get(name + ".hi")
+    return lo, math.inf if hi is None else hi
 
 
 def _evict(series: _Series, cutoff: float) -> None:
