@@ -209,7 +209,8 @@ class Trial:
     def _decide(self, now: float) -> None:
         assert self.window_start is not None
         ctx, rule = self.ctx, self.rule
-        tuning = ctx.config().tuning
+        config = ctx.config()
+        tuning = config.tuning
         after = ctx.window(self.window_start, now)
         if after is None:
             verdict = Verdict("revert", "no evidence: too few samples in the after window")
@@ -226,6 +227,8 @@ class Trial:
                 purpose=rule.purpose,
                 eased=eased(rule, terms_before, terms_after, tuning.tolerance),
                 extended=self.extended,
+                objective=config.objective,
+                door_enabled=config.door.enabled,
             )
         if verdict.decision == "extend":
             self.extended = True
@@ -245,8 +248,11 @@ class Trial:
             objective_unit=verdict.unit or None,
             objective_before=verdict.before,
             objective_after=verdict.after,
+            # Why the objective compared is not the configured one (goodput without targets or the door).
+            objective_reason=verdict.objective_reason or None,
             ratio_interval_90=list(verdict.interval) if verdict.interval else None,
             inconclusive=verdict.inconclusive,
+            **verdict.service,  # both windows' attainment, goodput, feasibility and requests
             before=self.before.as_dict(),
             after=after.as_dict() if after is not None else None,
         )
