@@ -15,6 +15,7 @@ import pytest
 from tests.unit.fakes import Rig, fixed_wall, make_rig
 from tests.unit.test_live_trials import CAP, DOOR_FIRST, FakeKnobs
 from tests.unit.test_trial_verdict import points
+from tunerd.cli.memory import summary
 from tunerd.config import TuningConfig
 from tunerd.config.objective import ObjectiveConfig
 from tunerd.config.rules import parse_rules
@@ -23,8 +24,10 @@ from tunerd.policy.evidence import Point, WindowStats, ratio_interval, slo_count
 from tunerd.policy.objective import Goodput
 from tunerd.policy.tunables import Proposal
 from tunerd.policy.verdict import Verdict, judge
+from tunerd.records.experience import Experience, ExperienceKey, experience_path, workload_key
 from tunerd.supervise.preflight import run_here
 from tunerd.tune.memory import TuningMemory
+from tunerd.tune.recall import Recall
 from tunerd.tune.trials import Trial, TrialContext
 
 GOODPUT = ObjectiveConfig(ttft_s=1.0, tpot_s=0.05)  # kind goodput (the default), attainment 0.95
@@ -207,8 +210,11 @@ def test_goodput_interval_is_the_bootstrap_of_per_poll_goodput() -> None:
 # -- through tune/trials: what trial.decided journals ---------------------------------------------------
 
 
-def live_trial(tmp_path: Path, after: WindowStats, objective: dict[str, Any]) -> Rig:
-    """A live trial of the door's cap (no restart) whose after window is `after`, judged to its end."""
+def live_trial(
+    tmp_path: Path, after: WindowStats, objective: dict[str, Any], experience: Experience | None = None
+) -> Rig:
+    """A live trial of the door's cap (no restart) whose after window is `after`, judged to its end
+    (written into `experience` when given)."""
     rig = make_rig(
         tmp_path,
         {"door": {"enabled": True, "port": 0, "max_in_flight": 32}, "objective": objective,
@@ -219,12 +225,19 @@ def live_trial(tmp_path: Path, after: WindowStats, objective: dict[str, Any]) ->
         rig.dstate.tuning, lambda: rig.config.tuning, recorder=rig.recorder,
         save_state=rig.lifecycle.save_state, wallclock=fixed_wall,
     )  # fmt: skip
+    recall = None
+    if experience is not None:
+        recall = Recall(
+            experience, rig.lifecycle, lambda: rig.config, recorder=rig.recorder, wallclock=fixed_wall
+        )
+        rig.dstate.identity = {"vllm_version": "0.32.0", "model": {"fingerprint": "2bf7"}, "gpu_name": None}
     pressure = {"kv_cache.usage_avg": 0.97, "preemptions.rate": 2.0}
     eased = {"kv_cache.usage_avg": 0.80, "preemptions.rate": 0.0}
     ctx = TrialContext(
         config=lambda: rig.config, lifecycle=rig.lifecycle, recorder=rig.recorder, memory=memory,
         metrics=rig.metrics, submit=run_here, window=lambda start, end: after,
         rule_values=lambda end, not_before: dict(eased), on_kept=lambda why: None, knobs=FakeKnobs(),
+        recall=recall,
     )  # fmt: skip
     rule = parse_rules({"rule": [DOOR_FIRST]}).rules[0]
     proposal = Proposal(CAP, 32, 16, rig.lifecycle.params, live=True)
@@ -262,3 +275,35 @@ def test_trial_decided_says_why_goodput_configured_is_not_what_was_compared(tmp_
     assert decided["objective"] == "throughput.generation" and decided["decision"] == "kept"
     assert decided["objective_reason"].startswith("goodput has no targets")
     assert decided["attainment_after"] is None  # nothing to attain without targets
+
+
+# -- the tuning memory: goodput with its unit ------------------------------------------------------------
+
+
+def test_a_kept_goodput_trial_is_remembered_with_the_unit_of_what_it_counted(tmp_path: Path) -> None:
+    experience = Experience(experience_path(tmp_path / "state"))
+    objective = {"ttft_s": 1.0, "count": "tokens"}
+    rig = live_trial(tmp_path, window(attainment=0.99), objective, experience)
+    assert rig.last("trial.decided")["decision"] == "kept"
+    (entry,) = experience.entries()
+    assert (entry.kind, entry.objective_name, entry.objective_unit) == ("trial", "slo.goodput", "tok/s")
+    assert entry.objective == pytest.approx(198.0)
+    assert entry.figures["goodput_unit"] == "tok/s" and entry.figures["attainment_after"] == 0.99
+
+
+def test_goodput_in_requests_and_in_tokens_never_compare_in_the_memory(tmp_path: Path) -> None:
+    memory = Experience(experience_path(tmp_path / "state"))
+    key = ExperienceKey("3f9a", "cpu", "0.32.0", workload_key(128, 128, 4))
+    for seqs, value, unit in ((8, 2.0, "req/s"), (16, 150.0, "tok/s"), (32, 3.0, "req/s")):
+        memory.record(
+            key, {"max_num_seqs": seqs}, value, kind="trial", decision="keep", figures={}, at=float(seqs),
+            objective_name="slo.goodput", objective_unit=unit, objective_source="live",
+        )  # fmt: skip
+    assert memory.units(key, "slo.goodput") == ["req/s", "tok/s"]
+    best = memory.best_entry(key, objective="slo.goodput", maximize=True, unit="req/s")
+    assert best is not None and best.params == {"max_num_seqs": 32}  # not the 150 tok/s
+    rows = summary(memory, "slo.goodput")
+    assert [(b["objective"], b["objective_unit"]) for b in rows[0]["best"]] == [
+        (3.0, "req/s"),
+        (150.0, "tok/s"),
+    ]
