@@ -189,7 +189,8 @@ class Goodput(Objective):
 # The latency at the offered load: what a trial compares when a capacity objective cannot measure.
 AT_OFFERED_LOAD: type[Objective] = ItlP95
 # An exploration's points are scored by generation throughput (the probe's closed loop, or live traffic
-# that saturates the engine); the latency limits bound it (policy/explore.limit_excess).
+# that saturates the engine); the latency limits bound it (policy/explore.limit_excess). Under goodput too:
+# the probe has no client-side attainment to judge feasibility by (docs/objective.md).
 EXPLORE: type[Objective] = Throughput
 
 
