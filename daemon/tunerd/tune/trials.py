@@ -4,8 +4,10 @@ A `Trial` is the `Subject` of its `Experiment` (tune/experiment.py), which runs 
 change (the planner, the request, the warm-up, the outcomes, keep or revert). The trial says what to
 apply — the proposal, by a restart or a live knob (the front door's in-flight cap: no planner, no
 restart, a revert that is one call) —, measures the *after* window, of the before window's length, of
-the change's run only, and judges it (policy/verdict.py): kept (the parameters become last-known-good
-and the new baseline) or reverted (the value goes tabu; a rule that keeps losing is muted). It tells
+the change's run only, and judges it by the objective in force (policy/verdict.py: goodput with its
+targets and the door, else throughput, `objective_reason` saying why): kept (the parameters become
+last-known-good and the new baseline) or reverted (the value goes tabu; a rule that keeps losing is
+muted). It tells
 its story in the journal: `trial.refused`, `trial.started`, `trial.extended`, `trial.decided`,
 `trial.ended`, `trial.aborted`.
 """
