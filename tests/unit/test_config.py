@@ -375,8 +375,23 @@ def test_the_old_tuning_objective_key_is_a_deprecated_alias_of_objective_kind(tm
         tmp_path, MINIMAL + '[tuning]\nobjective = "ttft.p95"\n[objective]\nkind = "throughput"\n'
     )
     assert len(problems) == 1 and problems[0].startswith(f"{path}: tuning.objective: 'ttft.p95' (deprecated")
-    # What trials compare follows the kind; goodput is not in verdicts yet: throughput meanwhile.
+    # What trials compare follows the kind, goodput included (the verdict asks whether it is in force).
     new = load_config(write(tmp_path, MINIMAL + '[objective]\nkind = "ttft.p95"\n'))
     assert new.tuning.objective == "ttft.p95"
     goodput = load_config(write(tmp_path, MINIMAL + "[objective]\nttft_s = 1\n"))
-    assert goodput.objective.kind == "goodput" and goodput.tuning.objective == "throughput.generation"
+    assert goodput.objective.kind == "goodput" and goodput.tuning.objective == "slo.goodput"
+    written = load_config(write(tmp_path, MINIMAL + '[objective]\nkind = "goodput"\ntpot_s = 0.05\n'))
+    assert written.tuning.objective == "slo.goodput"
+    default = load_config(write(tmp_path, MINIMAL))  # goodput by default, not in force without targets
+    assert default.objective.kind == "goodput" and default.tuning.objective == "slo.goodput"
+    text = '[tuning]\nobjective = "slo.goodput"\n[objective]\ntpot_s = 1\n'
+    old = load_config(write(tmp_path, MINIMAL + text))
+    assert old.objective.kind == "goodput" and old.tuning.objective == "slo.goodput"
+
+
+def test_min_requests_is_at_least_one(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, MINIMAL)).objective.min_requests == 20
+    config = load_config(write(tmp_path, MINIMAL + "[objective]\nmin_requests = 50\n"))
+    assert config.objective.min_requests == 50
+    path, problems = problems_of(tmp_path, MINIMAL + "[objective]\nmin_requests = 0\n")
+    assert len(problems) == 1 and problems[0].startswith(f"{path}: objective.min_requests: ")

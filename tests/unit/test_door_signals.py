@@ -183,7 +183,7 @@ def test_the_doors_requests_become_attainment_goodput_and_client_percentiles(sup
     doc = supervisor._status(now)
     objective = doc["objective"]
     assert (objective["kind"], objective["in_force"], objective["feasible"]) == ("goodput", "goodput", False)
-    assert objective["trials_compare"] == "throughput.generation"
+    assert objective["trials_compare"] == "slo.goodput"  # trials judge by the objective in force
     assert objective["window"]["slo.attainment"] == pytest.approx(0.5)
     page = render_status(doc)
     assert "objective: goodput; targets ttft ≤ 1 s, tpot ≤ 50 ms, attainment ≥ 95%" in page

@@ -90,9 +90,10 @@ def summary(memory: Experience, objective: str | None = None) -> list[dict[str, 
             direction = direction_of(name)
             if direction is None:
                 continue
-            best = memory.best_entry(key, objective=name, maximize=direction == "higher")
-            if best is not None:
-                bests.append(_entry_row(best))
+            for unit in memory.units(key, name):  # goodput in req/s and in tok/s never compare
+                best = memory.best_entry(key, objective=name, maximize=direction == "higher", unit=unit)
+                if best is not None:
+                    bests.append(_entry_row(best))
         rows.append(
             {
                 "key": asdict(key),

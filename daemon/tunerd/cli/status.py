@@ -124,8 +124,6 @@ def objective_lines(objective: dict[str, Any]) -> list[str]:
     lines = [head]
     if objective.get("why"):
         lines.append(f"  {objective['why']}")
-    if applies == "goodput" and objective.get("trials_compare"):
-        lines.append(f"  trials still compare {objective['trials_compare']} (goodput not yet in verdicts)")
     w = objective.get("window") or {}
     unit = "tok/s" if objective.get("count") == "tokens" else "req/s"
     attainment, goodput, throughput = (

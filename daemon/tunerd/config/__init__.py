@@ -296,9 +296,11 @@ class TuningConfig(_Section):
     warmup_s: float = Field(default=20.0, ge=0)
     window_s: PositiveSeconds = 60.0
     max_extend_s: float = Field(default=60.0, ge=0)
-    # Deprecated: `[objective] kind` is the one place (config/objective.py). After loading, this holds what
-    # a trial compares (policy/verdict.py): the configured kind's objective, throughput for goodput.
-    objective: Literal["throughput.generation", "ttft.p95", "itl.p95", "e2e.p95"] = "throughput.generation"
+    # Deprecated: `[objective] kind` is the one place (config/objective.py). After loading, this holds the
+    # configured kind's objective, what a trial compares when it is in force (policy/verdict.py).
+    objective: Literal["throughput.generation", "ttft.p95", "itl.p95", "e2e.p95", "slo.goodput"] = (
+        "throughput.generation"
+    )
     tolerance: float = Field(default=0.05, ge=0, lt=1)
     load_tolerance: float = Field(default=0.25, gt=0, lt=1)
     saturated_waiting: float = Field(default=0.5, ge=0)

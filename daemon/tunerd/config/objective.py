@@ -11,7 +11,10 @@ measures them. Without them the throughput objective stays in force (`in_force`)
 says why. Writing `kind = "goodput"` explicitly without any target is refused (it could not mean anything).
 
 `[tuning] objective` (the old key) is a deprecated alias: when `[objective] kind` is not written, it sets
-the kind ("throughput.generation" is "throughput"); when both are written they must agree. Config cannot
+the kind ("throughput.generation" is "throughput"); when both are written they must agree. After loading
+it holds the configured kind's objective name ("slo.goodput" for goodput, the default kind): what trials
+compare when it is in force (policy/verdict.py asks `in_force`, and compares throughput — saying why —
+when goodput lacks its targets or the door). Config cannot
 import the policy: `OBJECTIVE_NAMES` maps each kind to its `policy/objective.py` class name, and a unit
 test holds the two equal.
 """
@@ -36,7 +39,9 @@ OBJECTIVE_NAMES: dict[str, str] = {
 }
 # `[tuning] objective` (deprecated) → kind.
 ALIASES: dict[str, str] = {"throughput.generation": "throughput", "ttft.p95": "ttft.p95",
-                           "itl.p95": "itl.p95", "e2e.p95": "e2e.p95"}  # fmt: skip
+                           "itl.p95": "itl.p95", "e2e.p95": "e2e.p95", "slo.goodput": "goodput"}  # fmt: skip
+# A window with fewer of the door's requests than this says nothing of attainment (`min_requests`).
+MIN_REQUESTS = 20
 
 
 class ObjectiveConfig(BaseModel):
@@ -53,6 +58,8 @@ class ObjectiveConfig(BaseModel):
     e2e_s: float | None = Field(default=None, gt=0)
     attainment: float = Field(default=0.95, gt=0, le=1)
     count: Count = "requests"
+    # A trial's window with fewer of the door's requests than this is extended once, then inconclusive.
+    min_requests: int = Field(default=MIN_REQUESTS, ge=1)
 
     @model_validator(mode="after")
     def _goodput_needs_a_target(self) -> ObjectiveConfig:
@@ -94,9 +101,10 @@ def in_force(objective: ObjectiveConfig, door_enabled: bool) -> InForce:
 
 def resolve_alias(data: dict) -> dict:
     """The raw config document with `[tuning] objective` (deprecated) carried into `[objective] kind`,
-    and `[tuning] objective` set to what a trial compares (policy/verdict.py reads it): the configured
-    kind's objective, except goodput, which trials do not judge yet (throughput meanwhile). Raises
-    ValueError when both keys are written and disagree. Leaves a malformed document for validation."""
+    and `[tuning] objective` set to the configured kind's objective (policy/verdict.py reads it; for
+    goodput — the default kind — it asks `in_force` too, and falls back to throughput with its reason).
+    Raises ValueError when both keys are written and disagree. Leaves a malformed document for
+    validation."""
     tuning, objective = data.get("tuning", {}), data.get("objective", {})
     if not isinstance(tuning, dict) or not isinstance(objective, dict):
         return data
@@ -113,7 +121,9 @@ def resolve_alias(data: dict) -> dict:
         kind = objective["kind"]
     elif old is not None:
         return data  # not a name it knows: validation says so
+    if kind is None:
+        kind = ObjectiveConfig.model_fields["kind"].default
     trial = OBJECTIVE_NAMES.get(kind) if isinstance(kind, str) else None
-    if trial is None or kind == "goodput":
+    if trial is None:  # not a kind: validation says so
         trial = OBJECTIVE_NAMES["throughput"]
     return {**data, "objective": objective, "tuning": {**tuning, "objective": trial}}

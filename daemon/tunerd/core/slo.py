@@ -5,7 +5,9 @@ target), goodput, client-side TTFT/TPOT percentiles (docs/signals.md, `slo.*` an
 The door fills one `RequestSample` per generation request it answered (door/proxy.py) and hands them to
 the main loop in batches (door/events.DoorRequests); the loop keeps them in a `SloWindow` (a bounded
 ring) and feeds `SloWindow.readings(now, ...)` into each poll, so that the signal window, the rules and a
-trial's windows read them like any other input. Times are `time.monotonic()` in both threads.
+trial's windows read them like any other input. Times are `time.monotonic()` in both threads. Beside
+the window's statistics the readings carry three counters (requests counted, good ones, their output
+tokens): a trial's window takes their increases, exact for that window and per poll (policy/evidence.py).
 
 How a request counts (docs/signals.md, "Per-request service levels"):
 
@@ -25,7 +27,8 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from itertools import islice
 from typing import Literal
 
 Count = Literal["requests", "tokens"]
@@ -127,6 +130,11 @@ class SloStats:
     tpot_p50: float | None
     tpot_p95: float | None
     wait_p95: float | None
+    # Counters since the `SloWindow` began (each sample judged once, by the targets of the poll that first
+    # saw it): what a trial's window counts exactly, whatever `observe.window_s` is (policy/evidence.py).
+    requests_total: int = 0
+    good_total: int = 0
+    good_tokens_total: int = 0
 
 
 def quantile(sorted_values: list[float], q: float) -> float | None:
@@ -203,6 +211,8 @@ class SloWindow:
         self._started = started  # nothing was observed before: the first windows are shorter
         self._dropped_until = -math.inf  # the newest `done` the ring dropped to stay bounded
         self.total = 0  # samples ever added (counted requests)
+        self._judged = 0  # of `total`, those counted into the counters below (by `stats`)
+        self._counted = self._good = self._good_tokens = 0
 
     def __len__(self) -> int:
         return len(self._ring)
@@ -216,9 +226,27 @@ class SloWindow:
             self.total += 1
 
     def stats(self, now: float, targets: Targets, count: Count) -> SloStats:
-        """Statistics of the requests that ended in (now − window_s, now]."""
+        """Statistics of the requests that ended in (now − window_s, now], with the counters
+        (`SloStats.requests_total`, ...) of every sample added so far: those added since the last call
+        are judged now, by these `targets`, and counted once (a reload re-judges the window's statistics,
+        not what the counters already hold)."""
+        self._count_new(targets)
         since = max(now - self.window_s, self._started, self._dropped_until)
-        return window_stats((s for s in self._ring if s.done > since), targets, count, now - since)
+        stats = window_stats((s for s in self._ring if s.done > since), targets, count, now - since)
+        return replace(
+            stats, requests_total=self._counted, good_total=self._good, good_tokens_total=self._good_tokens
+        )
+
+    def _count_new(self, targets: Targets) -> None:
+        """Fold the samples added since the last call into the counters (the newest `len(ring)` at most:
+        what the ring dropped unseen is not counted, in the requests either)."""
+        new = min(self.total - self._judged, len(self._ring))
+        self._judged = self.total
+        for sample in islice(reversed(self._ring), new):
+            self._counted += 1
+            if good(sample, targets):
+                self._good += 1
+                self._good_tokens += sample.tokens or 0
 
 
 def readings(stats: SloStats | None, door_waiting: int | None) -> dict[str, float | None]:
@@ -239,4 +267,8 @@ def readings(stats: SloStats | None, door_waiting: int | None) -> dict[str, floa
         "door.tpot.p50": None if s is None else s.tpot_p50,
         "door.tpot.p95": None if s is None else s.tpot_p95,
         "door.wait.p95": None if s is None else s.wait_p95,
+        # Counters (inputs, not signals): a trial's window takes their increases (policy/evidence.py).
+        "slo.requests_total": None if s is None else float(s.requests_total),
+        "slo.good_total": None if s is None else float(s.good_total),
+        "slo.good_tokens_total": None if s is None else float(s.good_tokens_total),
     }

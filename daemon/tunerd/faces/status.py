@@ -89,7 +89,7 @@ def objective_status(config: Config, signals: Mapping[str, float | None]) -> dic
         "in_force": applies.kind,
         "name": applies.name,
         "why": applies.reason or None,
-        "trials_compare": config.tuning.objective,  # what a trial's verdict reads (goodput: not yet)
+        "trials_compare": applies.name,  # what a trial's verdict compares: the objective in force
         "targets": {"ttft_s": objective.ttft_s, "tpot_s": objective.tpot_s, "e2e_s": objective.e2e_s},
         "attainment_target": objective.attainment,
         "count": objective.count,

@@ -10,6 +10,10 @@ the code that computes the rules' live signals, replayed over the window's polls
 counter's increase per second. What the verdict needs beside them is computed here: the per-poll
 throughput (the increase of `vllm:generation_tokens_total` between consecutive polls) gives a spread —
 median and quartiles — and the samples a bootstrap resamples; per-request sizes compare the offered load.
+The front door's per-request counters (core/slo.readings: `slo.requests_total`, `slo.good_total`,
+`slo.good_tokens_total`) give the window's own requests, attainment and goodput (`SloCounts`) — exact for
+the window, where the `slo.*` signals are the last poll's view of `observe.window_s` — and per-poll
+goodput for the same bootstrap.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from itertools import pairwise
 
 from tunerd.core.engine_sample import EngineSample
 from tunerd.core.signal_window import SIGNALS, SignalWindow
+from tunerd.core.slo import Count
 
 # The names a window computes: every signal but the probe's figures (those are the last probe's, not
 # a window's).
@@ -70,6 +75,62 @@ class Spread:
 
 
 @dataclass(frozen=True)
+class SloCounts:
+    """The front door's requests in one window, from the increases of its counters between the window's
+    polls: `requests` counted, `good` among them (every target met), their output `good_tokens`, over
+    `seconds`; `good_per_s`/`good_tokens_per_s` the same per poll interval (for a bootstrap)."""
+
+    requests: float
+    good: float
+    good_tokens: float
+    seconds: float
+    good_per_s: tuple[float, ...]
+    good_tokens_per_s: tuple[float, ...]
+
+    @property
+    def attainment(self) -> float | None:
+        """The share of the window's requests that were good; None without a request."""
+        return self.good / self.requests if self.requests > 0 else None
+
+    def goodput(self, count: Count) -> float | None:
+        """Good requests per second (or their output tokens: `count = "tokens"`); None without a request
+        (an idle window says nothing of the service) or a span."""
+        if self.requests <= 0 or self.seconds <= 0:
+            return None
+        return (self.good if count == "requests" else self.good_tokens) / self.seconds
+
+    def samples(self, count: Count) -> tuple[float, ...]:
+        return self.good_per_s if count == "requests" else self.good_tokens_per_s
+
+
+SLO_COUNTERS = ("slo.requests_total", "slo.good_total", "slo.good_tokens_total")
+
+
+def slo_counts(points: Sequence[Point], start: float, end: float) -> SloCounts | None:
+    """The door's counters' increases over the points with `start <= t <= end` that carry all three;
+    None with fewer than two such polls (the door is off, or it counted nothing yet). A decrease is not
+    this daemon's counter (it never resets while the daemon runs): that interval is skipped."""
+    polls = [
+        (p.t, tuple(p.readings.get(name) for name in SLO_COUNTERS))
+        for p in points
+        if start <= p.t <= end and all(p.readings.get(name) is not None for name in SLO_COUNTERS)
+    ]
+    if len(polls) < 2:
+        return None
+    totals = [0.0, 0.0, 0.0]
+    good, tokens = [], []
+    for (ta, a), (tb, b) in pairwise(polls):
+        steps = [vb - va for va, vb in zip(a, b, strict=True)]  # type: ignore[operator]
+        if tb <= ta or min(steps) < 0:
+            continue
+        totals = [t + d for t, d in zip(totals, steps, strict=True)]
+        good.append(steps[1] / (tb - ta))
+        tokens.append(steps[2] / (tb - ta))
+    seconds = polls[-1][0] - polls[0][0]
+    return SloCounts(totals[0], totals[1], totals[2], seconds, tuple(good), tuple(tokens))
+
+
+@dataclass(frozen=True)
 class WindowStats:
     """What an engine did in one window. Rates per second; latencies in seconds; None: not known.
 
@@ -77,7 +138,8 @@ class WindowStats:
     (`prompt_rate` = `throughput.prompt`, `ttft_p95` = `ttft.p95`, ...) are read from it, so that the
     verdict's figures and the rules' are one statistic per name; `waiting_avg` is the requests waiting
     for vLLM anywhere (`requests.waiting_avg` + `door.waiting_avg`: the offered load).
-    `throughput` and `throughput_samples` are the per-poll rates, for a spread and a bootstrap."""
+    `throughput` and `throughput_samples` are the per-poll rates, for a spread and a bootstrap; `slo`
+    the front door's requests in the window (None without the door's counters)."""
 
     start: float
     end: float
@@ -100,6 +162,7 @@ class WindowStats:
     e2e_p95: float | None
     saturated: bool
     values: Mapping[str, float | None] = field(default_factory=dict)
+    slo: SloCounts | None = None
 
     @property
     def seconds(self) -> float:
@@ -191,6 +254,7 @@ def window_stats(
         e2e_p95=v["e2e.p95"],
         saturated=bool((waiting_avg is not None and waiting_avg >= saturated_waiting) or full),
         values=v,
+        slo=slo_counts(points, first.t, last.t),
     )
 
 

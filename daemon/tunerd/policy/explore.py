@@ -17,7 +17,9 @@ The objective (`policy/objective.EXPLORE`, with `explore_tolerance`) is the prob
 throughput — unless live traffic saturated the engine in the
 window before the search's first probe: then the live window's throughput (all traffic, the probe's
 included) is what measures the engine's capacity, and the probe's few requests only their share of it.
-`objective_source` fixes that once per search, so every point is scored the same way.
+`objective_source` fixes that once per search, so every point is scored the same way. Under a goodput
+objective too, for now: the probe goes straight to vLLM and has no client-side attainment, and a search's
+only feasibility is its latency limits (docs/objective.md); a rule's trial judges by goodput.
 
 `Search` is a value: `next_point()` says what to measure, `record()` folds one measurement in and
 returns the new search. The caller (tune/explorer.py) turns each point into a trial.

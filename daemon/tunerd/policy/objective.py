@@ -149,7 +149,9 @@ class Goodput(Objective):
     """Requests per second that met every per-request target of `[objective]` (or their output tokens
     per second: `count = "tokens"`), measured by the front door (core/slo.py, signal `slo.goodput`).
     Meaningful with the attainment beside it: a configuration is feasible when `feasible(attainment,
-    target)`; among feasible ones, more goodput is better. Not yet what a trial's verdict compares."""
+    target)`; among feasible ones, more goodput is better (policy/verdict.py). In a trial's window its
+    figures are the window's own (`WindowStats.slo`, the door's counters), per poll for the bootstrap;
+    the `slo.*` signals (the last poll's view of `observe.window_s`) where the window has no counters."""
 
     name: ClassVar[str] = "slo.goodput"
     unit: ClassVar[str] = "req/s"
@@ -161,11 +163,34 @@ class Goodput(Objective):
         if self.count == "tokens":  # the unit follows what is counted (an instance's, not the class's)
             object.__setattr__(self, "unit", "tok/s")
 
+    def of(self, window: WindowStats | None) -> float | None:
+        if window is not None and window.slo is not None:
+            return window.slo.goodput(self.count)
+        return super().of(window)
+
+    def samples(self, window: WindowStats) -> tuple[float, ...] | None:
+        return window.slo.samples(self.count) if window.slo is not None else None
+
+    @staticmethod
+    def attainment(window: WindowStats) -> float | None:
+        """The share of the window's requests that met every target (None: no request)."""
+        if window.slo is not None:
+            return window.slo.attainment
+        return window.values.get("slo.attainment")
+
+    @staticmethod
+    def requests(window: WindowStats) -> float | None:
+        """The door's requests in the window (None: the door counted none, or is off)."""
+        if window.slo is not None:
+            return window.slo.requests
+        return window.values.get("slo.requests")
+
 
 # The latency at the offered load: what a trial compares when a capacity objective cannot measure.
 AT_OFFERED_LOAD: type[Objective] = ItlP95
 # An exploration's points are scored by generation throughput (the probe's closed loop, or live traffic
-# that saturates the engine); the latency limits bound it (policy/explore.limit_excess).
+# that saturates the engine); the latency limits bound it (policy/explore.limit_excess). Under goodput too:
+# the probe has no client-side attainment to judge feasibility by (docs/objective.md).
 EXPLORE: type[Objective] = Throughput
 
 

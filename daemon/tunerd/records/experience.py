@@ -16,7 +16,8 @@ probe's generation throughput, an exploration point's that throughput from a sou
 trial's value is of no objective the entry can name (it is not ranked).
 
 Queries take one `ExperienceKey`; `best`, `bad_values` and `measured` use verified entries only unless
-asked; `best` and `measured` compare values of one named objective (and source) only.
+asked; `best` and `measured` compare values of one named objective (and source) only — and of one unit
+when asked (`unit`): goodput is requests/s or output tokens/s under one name (`[objective] count`).
 An upgrade (`mark_unverified`) keeps old entries but flags them: hints, not truth. vLLM's version is
 part of the key, so after an upgrade the new key starts empty; `any_vllm=True` asks across versions for
 a first proposal.
@@ -222,6 +223,16 @@ class Experience:
         named = (e.objective_name for e in self.entries(key) if e.objective is not None)
         return [name for name in dict.fromkeys(named) if name is not None]
 
+    def units(self, key: ExperienceKey, objective: str) -> list[str | None]:
+        """The units `key`'s values of the objective called `objective` are in, in the order they first
+        appear (goodput's follow what it counted; None: an entry that named none)."""
+        found = (
+            e.objective_unit
+            for e in self.entries(key)
+            if e.objective is not None and e.objective_name == objective
+        )
+        return list(dict.fromkeys(found))
+
     def best_entry(
         self,
         key: ExperienceKey,
@@ -229,6 +240,7 @@ class Experience:
         objective: str,
         maximize: bool,
         source: str | None = None,
+        unit: str | None = None,
         include_unverified: bool = False,
         any_vllm: bool = False,
         kinds: Collection[str] = KINDS,
@@ -236,13 +248,13 @@ class Experience:
         """The entry with the best value of the objective called `objective` (the highest; `maximize=False`:
         the lowest — the objective's direction), measured by `source` (None: any), among those with a
         value and an acceptable decision (not in BAD_DECISIONS); the latest on a tie. Values of other
-        objectives do not compare and are not considered."""
+        objectives (or, with `unit`, in another unit) do not compare and are not considered."""
         best: Entry | None = None
         sign = 1.0 if maximize else -1.0
         for entry in self._usable(key, include_unverified, any_vllm, kinds):
             if entry.objective is None or entry.decision in BAD_DECISIONS:
                 continue
-            if not _measures(entry, objective, source):
+            if not _measures(entry, objective, source, unit):
                 continue
             if best is None or sign * entry.objective >= sign * best.objective:  # type: ignore[operator]
                 best = entry
@@ -281,6 +293,7 @@ class Experience:
         *,
         objective: str,
         source: str,
+        unit: str | None = None,
         include_unverified: bool = False,
         kinds: Collection[str] = KINDS,
     ) -> dict[Any, float | None]:
@@ -292,7 +305,7 @@ class Experience:
         points: dict[Any, float | None] = {}
         for entry in self._usable(key, include_unverified, False, kinds):
             bad = entry.decision in BAD_DECISIONS
-            if not bad and not _measures(entry, objective, source):
+            if not bad and not _measures(entry, objective, source, unit):
                 continue
             if param not in entry.params or any(
                 k != param and (k not in entry.params or entry.params[k] != v) for k, v in others.items()
@@ -527,9 +540,13 @@ def _named(entry: Entry) -> Entry:
     return replace(entry, objective_name=name, objective_unit=unit, objective_source=source)
 
 
-def _measures(entry: Entry, objective: str, source: str | None) -> bool:
-    """The entry's value is one of `objective`, measured by `source` (None: any)."""
-    return entry.objective_name == objective and (source is None or entry.objective_source == source)
+def _measures(entry: Entry, objective: str, source: str | None, unit: str | None = None) -> bool:
+    """The entry's value is one of `objective`, measured by `source` (None: any), in `unit` (None: any)."""
+    return (
+        entry.objective_name == objective
+        and (source is None or entry.objective_source == source)
+        and (unit is None or entry.objective_unit == unit)
+    )
 
 
 def _text(raw: Mapping[str, Any], name: str) -> str | None:

@@ -146,14 +146,21 @@ class Recall:
         verdict: Verdict | None = None,
     ) -> None:
         """A rule's trial under the live load of its `before` window: the `verdict`'s value after the
-        change when it was kept (a reverted change is not a configuration to return to), with its
-        objective; no verdict when the start failed."""
+        change when it was kept (a reverted change is not a configuration to return to), with the
+        objective it compared (`Verdict.goal`: goodput's unit is what it counted) and both windows'
+        service levels where there are targets (`goodput_unit` names their goodput's); no verdict when
+        the start failed."""
         value = verdict.after if verdict is not None and decision == "keep" else None
         figures: dict[str, Any] = {"param": param, "reason": reason}
         goal = None
-        if verdict is not None and verdict.objective:
-            goal = objective(verdict.objective)
-            figures["objective_before"] = verdict.before
+        if verdict is not None:
+            if verdict.goal is not None or verdict.objective:
+                goal = verdict.goal or objective(verdict.objective)
+                figures["objective_before"] = verdict.before
+            if verdict.service.get("attainment_before") is not None:
+                figures.update(verdict.service)
+            if verdict.objective_reason:
+                figures["objective_reason"] = verdict.objective_reason
         self._record(self.live_key(before), params, value, goal, "live", "trial", decision, figures)
 
     def _record(
@@ -178,8 +185,7 @@ class Recall:
             decision=decision,
             figures={**figures, "driver": driver},
             at=self.wallclock().timestamp(),
-            objective_name=goal.name if goal is not None else None,
-            objective_unit=goal.unit if goal is not None else None,
+            **(goal.fields() if goal is not None else {}),  # name and unit: tok/s and req/s never mix
             objective_source=source,
         )
         if not written:
@@ -233,7 +239,7 @@ class Recall:
         for name in names:
             others = {k: v for k, v in current.items() if k != name}
             measured = self.experience.measured(
-                key, name, others, objective=goal.name, source=source, kinds=PROBE_KINDS
+                key, name, others, objective=goal.name, source=source, unit=goal.unit, kinds=PROBE_KINDS
             )
             for value, figure in measured.items():
                 points[(name, value)] = figure
@@ -250,6 +256,7 @@ class Recall:
                 objective=goal.name,
                 maximize=goal.direction == "higher",
                 source="probe",
+                unit=goal.unit,
                 any_vllm=True,
                 kinds=PROBE_KINDS,
             )

@@ -4,8 +4,10 @@ A `Trial` is the `Subject` of its `Experiment` (tune/experiment.py), which runs 
 change (the planner, the request, the warm-up, the outcomes, keep or revert). The trial says what to
 apply — the proposal, by a restart or a live knob (the front door's in-flight cap: no planner, no
 restart, a revert that is one call) —, measures the *after* window, of the before window's length, of
-the change's run only, and judges it (policy/verdict.py): kept (the parameters become last-known-good
-and the new baseline) or reverted (the value goes tabu; a rule that keeps losing is muted). It tells
+the change's run only, and judges it by the objective in force (policy/verdict.py: goodput with its
+targets and the door, else throughput, `objective_reason` saying why): kept (the parameters become
+last-known-good and the new baseline) or reverted (the value goes tabu; a rule that keeps losing is
+muted). It tells
 its story in the journal: `trial.refused`, `trial.started`, `trial.extended`, `trial.decided`,
 `trial.ended`, `trial.aborted`.
 """
@@ -209,7 +211,8 @@ class Trial:
     def _decide(self, now: float) -> None:
         assert self.window_start is not None
         ctx, rule = self.ctx, self.rule
-        tuning = ctx.config().tuning
+        config = ctx.config()
+        tuning = config.tuning
         after = ctx.window(self.window_start, now)
         if after is None:
             verdict = Verdict("revert", "no evidence: too few samples in the after window")
@@ -226,6 +229,8 @@ class Trial:
                 purpose=rule.purpose,
                 eased=eased(rule, terms_before, terms_after, tuning.tolerance),
                 extended=self.extended,
+                objective=config.objective,
+                door_enabled=config.door.enabled,
             )
         if verdict.decision == "extend":
             self.extended = True
@@ -245,8 +250,11 @@ class Trial:
             objective_unit=verdict.unit or None,
             objective_before=verdict.before,
             objective_after=verdict.after,
+            # Why the objective compared is not the configured one (goodput without targets or the door).
+            objective_reason=verdict.objective_reason or None,
             ratio_interval_90=list(verdict.interval) if verdict.interval else None,
             inconclusive=verdict.inconclusive,
+            **verdict.service,  # both windows' attainment, goodput, feasibility and requests
             before=self.before.as_dict(),
             after=after.as_dict() if after is not None else None,
         )
