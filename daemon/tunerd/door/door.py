@@ -309,9 +309,12 @@ class Door:
             record = self._limit_log.add(change)
         else:
             record = self._limit_log.due(now)
+        self._tell(record)
+        self._publish_limit()
+
+    def _tell(self, record: dict[str, object] | None) -> None:
         if record is not None:
             self._post(DoorLimit(**record))  # type: ignore[arg-type]
-        self._publish_limit()
 
     def _pin_limit(self, pinned: bool, cap: int | None) -> None:
         self._pinned, self._pin = pinned, cap
@@ -324,8 +327,8 @@ class Door:
         if isinstance(limiter, Goodput):
             change = limiter.set_bounds(low, high, time.monotonic())
             if change is not None:
-                self._apply_limit(change.new, "steered")
-                self._limit_log.add(change)
+                self._apply_limit(change.new, "set")
+                self._tell(self._limit_log.add(change))
             self._publish_limit()
         else:
             self._choose_limiter()
