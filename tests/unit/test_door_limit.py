@@ -82,6 +82,10 @@ def test_converges_on_the_largest_cap_that_meets_the_tpot_target() -> None:
     assert caps[-1] == 36
     assert set(caps[-10:]) == {36}  # settled, not a sawtooth
     assert limiter.state().verdict == "met"
+    # A reload that changes neither bounds nor targets keeps what was learnt (no probe above 36 follows).
+    assert limiter.set_bounds(1, 256, clock()) is None
+    limiter.set_targets(Targets(tpot_s=0.0202), 0.95)
+    assert run(limiter, ClosedLoop(200, linear(0.002, 0.0005)), clock, 1) == [36]
 
 
 def test_converges_from_below_when_requests_wait_in_the_door() -> None:

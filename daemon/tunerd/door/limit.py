@@ -293,6 +293,8 @@ class Goodput:
         cap is brought inside them; the curve's memory is forgotten."""
         if low < 1 or (high is not None and high < low):
             raise ValueError(f"bounds {low}..{high}: need 1 <= low <= high")
+        if (low, high) == (self.low, self.high):
+            return None  # a reload that changed nothing here: what was learnt stays
         self.low, self.high = low, high
         self._too_high = self._too_low = self._good = None
         self._state = replace(self._state, low=low, high=high)
@@ -301,6 +303,8 @@ class Goodput:
     def set_targets(self, targets: Targets, attainment: float) -> None:
         if not targets.any:
             raise ValueError("a steered cap needs at least one per-request target")
+        if (targets, attainment) == (self.targets, self.attainment):
+            return
         self.targets, self.attainment = targets, attainment
         self._too_high = self._too_low = self._good = None
 
