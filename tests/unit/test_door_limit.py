@@ -77,7 +77,7 @@ def steered(clock: FakeClock, targets: Targets, **kw: object) -> Goodput:
 def test_converges_on_the_largest_cap_that_meets_the_tpot_target() -> None:
     # TPOT = 2 ms + 0.5 ms per sequence; target 20.2 ms: caps up to 36 meet it, 37 does not.
     clock = FakeClock()
-    limiter = steered(clock, Targets(tpot_s=0.0202), low=1, high=256)
+    limiter = steered(clock, Targets(tpot_s=0.0202), low=1, high=256, memory_s=3600.0)
     caps = run(limiter, ClosedLoop(200, linear(0.002, 0.0005)), clock, 40)
     assert caps[-1] == 36
     assert set(caps[-10:]) == {36}  # settled, not a sawtooth
