@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from tunerd.config import Config
+from tunerd.config.objective import in_force
 from tunerd.core.commands import Command
 from tunerd.observe.probe import ProbeResult
 from tunerd.policy.tunables import REGISTRY
@@ -43,6 +44,14 @@ def refusal(command: Command, config: Config) -> str | None:
     elif command.name == "door":
         if not config.door.enabled:
             return "the front door is off ([door] enabled = false)"
+        if command.params.get("steer") is True:
+            applies = in_force(config.objective, door_enabled=True)
+            if applies.kind != "goodput":
+                return (
+                    "door: --steer needs the goodput objective with targets ([objective] kind, ttft_s, "
+                    f"tpot_s, e2e_s); in force: {applies.kind}"
+                )
+            return None
         cap = command.params.get("max_in_flight", "missing")
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
             return f"door: max_in_flight must be a whole number ≥ 1, or null for no cap (got {cap!r})"
@@ -181,7 +190,9 @@ class Commands:
             life.restart(params, reason, action="change" if params != life.params else "restart")
         elif command.name == "door":
             link = self.door_link()
-            if link is not None:
+            if link is not None and command.params.get("steer") is True:
+                link.steer(command.reason or "tunerd door --steer")
+            elif link is not None:
                 link.set_max_in_flight(command.params.get("max_in_flight"), command.reason or "tunerd door")
         elif command.name == "probe":
             self._probe(command.reason or "operator probe")

@@ -55,7 +55,7 @@ from tunerd.records.state import StateStore
 from tunerd.supervise.cache_reset import CacheReset
 from tunerd.supervise.capacity import CalibrationDone
 from tunerd.supervise.change import ChangeEvent
-from tunerd.supervise.door_link import DOOR_EVENTS, DoorLink, Upstream
+from tunerd.supervise.door_link import DOOR_EVENTS, DOOR_LIVE_KEYS, DoorLink, Upstream
 from tunerd.supervise.lifecycle import ACTIVE, Lifecycle
 from tunerd.tune.prober import Prober
 from tunerd.tune.recall import Recall
@@ -193,6 +193,7 @@ class Supervisor:
             prober=self.prober,
             recall=recall,
             knobs=self.door_link,
+            restart_wait=self.door_link.restart_wait if self.door_link is not None else None,
         )
         cache_reset = self.cache_reset
         self.commands = Commands(
@@ -501,17 +502,21 @@ class Supervisor:
         self.metrics.reload_time.set_to_current_time()
         self.jobs.health.timeouts = new.timeouts
         configure_logging(new.logging.level, new.logging.format)
-        same_door = new.door.model_copy(update={"max_in_flight": None}) == old.door.model_copy(
-            update={"max_in_flight": None}
-        )
+        live = dict.fromkeys(DOOR_LIVE_KEYS)  # what the running door takes (door_link.apply_config)
+        same_door = new.door.model_copy(update=live) == old.door.model_copy(update=live)
         if (new.paths, new.export, new.observe) != (old.paths, old.export, old.observe) or not same_door:
             log.warning(
                 "config.restart_needed",
-                detail="[paths], [export], [observe] and [door] (but max_in_flight) apply at daemon restart",
+                detail="[paths], [export], [observe] and [door] (but max_in_flight, min_in_flight) apply at "
+                "daemon restart",
             )
         if self.door_link is not None:
             if new.door.max_in_flight != old.door.max_in_flight:
-                self.door_link.set_max_in_flight(new.door.max_in_flight, "config reload")
+                if new.door.max_in_flight is None:  # no fixed cap any more: the controller's again
+                    self.door_link.steer("config reload")
+                else:
+                    self.door_link.set_max_in_flight(new.door.max_in_flight, "config reload")
+            self.door_link.apply_config(new)  # the objective's targets, [door] min_in_flight
             if new.engine.model != old.engine.model:
                 self.door_link.set_model_dir(new.engine.model)
         self._probe_capabilities_if_needed()  # a new engine command is asked what it offers

@@ -9,7 +9,7 @@ import pytest
 
 from tunerd.config.rules import StepAction
 from tunerd.core.params import TUNABLE_PARAMS, Backend, EngineParams
-from tunerd.policy.tunables import REGISTRY, NoProposal, Proposal, Value, bounds_of, propose, propose_live
+from tunerd.policy.tunables import REGISTRY, NoProposal, Proposal, Value, bounds_of, propose
 
 GIB = 1 << 30
 
@@ -494,10 +494,7 @@ def test_a_concurrency_limit_that_would_not_bind_steps_down_from_what_vllm_ran()
     # A limit that binds (16 with 12 running: 8 acts) steps as before.
     binding = proposed(propose(halve, EngineParams(max_num_seqs=16), backend="cpu", running=12.0))
     assert binding.new == 8 and not any("does not bind" in note for note in binding.notes)
-    # The door's cap, unset (max_num_seqs 1024 in force), likewise; up-steps never look at it.
-    cap = action("door.max_in_flight", "down", factor=0.5)
-    door = proposed(propose_live(cap, EngineParams(max_num_seqs=1024), None, backend="cuda", running=14.0))
-    assert (door.old, door.new) == (None, 7)
+    # Up-steps never look at it.
     up = action("max_num_seqs", "up", factor=2.0)
     assert proposed(propose(up, EngineParams(max_num_seqs=64), backend="cuda", running=3.0)).new == 128
 

@@ -1,5 +1,8 @@
-"""`tunerd door`: the front door on the running daemon — its state and limits, and its in-flight cap,
-which changes without a restart (`--max-in-flight N`, `--max-in-flight none` for no cap)."""
+"""`tunerd door`: the front door on the running daemon — its state and limits, and its in-flight cap:
+what its controller reads and did (door/limit.py: mode, value, bounds, the last step and why, the
+interval's samples, attainment by target, the door's share of the clients' TTFT), a value pinned without a
+restart (`--max-in-flight N`, `--max-in-flight none` for no cap), and `--steer` to give the cap back to the
+controller."""
 
 from __future__ import annotations
 
@@ -18,11 +21,21 @@ def add_commands(sub: Any, config_option: Callable[[argparse.ArgumentParser], No
     door.add_argument(
         "--max-in-flight", metavar="N|none", help="requests forwarded to vLLM at once (none: no cap)"
     )
+    door.add_argument(
+        "--steer",
+        action="store_true",
+        help="unpin: the door steers its cap toward the [objective] targets again",
+    )
     door.add_argument("--json", action="store_true", help="the door's part of the status document")
     door.set_defaults(func=cmd_door)
 
 
 def cmd_door(args: argparse.Namespace) -> int:
+    if args.steer and args.max_in_flight is not None:
+        print("tunerd door: --steer or --max-in-flight, not both", file=sys.stderr)
+        return 64
+    if args.steer:
+        return _post(args, {"steer": True}, "door: the cap is steered toward the targets (no restart)")
     if args.max_in_flight is not None:
         text = args.max_in_flight.strip().lower()
         try:
@@ -33,16 +46,8 @@ def cmd_door(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 64
-        answer = ask_daemon(args, "POST", "/door", {"params": {"max_in_flight": cap}})
-        if isinstance(answer, int):
-            return answer
-        code, document = answer
-        if code != 202:
-            error = document.get("error") if isinstance(document, dict) else document
-            print(f"tunerd door: the daemon refused: {error}", file=sys.stderr)
-            return 1
-        print(f"door: max_in_flight → {cap if cap is not None else 'no cap'} (no restart)")
-        return 0
+        shown = cap if cap is not None else "no cap"
+        return _post(args, {"max_in_flight": cap}, f"door: max_in_flight pinned at {shown} (no restart)")
     answer = ask_daemon(args, "GET", "/status", lenient=True)
     if isinstance(answer, int):
         return answer
@@ -55,6 +60,71 @@ def cmd_door(args: argparse.Namespace) -> int:
     return 0
 
 
+def _post(args: argparse.Namespace, params: dict[str, Any], done: str) -> int:
+    answer = ask_daemon(args, "POST", "/door", {"params": params})
+    if isinstance(answer, int):
+        return answer
+    code, document = answer
+    if code != 202:
+        error = document.get("error") if isinstance(document, dict) else document
+        print(f"tunerd door: the daemon refused: {error}", file=sys.stderr)
+        return 1
+    print(done)
+    return 0
+
+
+def _share(value: Any) -> str:
+    return f"{value:.1%}" if isinstance(value, int | float) else "-"
+
+
+def limit_brief(limit: dict[str, Any]) -> str:
+    """The cap in one phrase: its value and who sets it (`tunerd status`, the head of `tunerd door`)."""
+    cap = limit.get("limit")
+    value = cap if cap is not None else "none"
+    if limit.get("mode") == "steered":
+        high = limit.get("high")
+        return (
+            f"cap {value} steered ({limit.get('low')}..{high if high is not None else '-'}; "
+            f"{limit.get('verdict')}"
+            + (", cannot meet the targets" if limit.get("cannot_meet") else "")
+            + ")"
+        )
+    return f"cap {value} " + ("pinned (tunerd door --steer to steer it)" if limit.get("pinned") else "fixed")
+
+
+def limit_lines(limit: dict[str, Any]) -> list[str]:
+    """What the cap's controller reads and did (door/limit.py)."""
+    lines = [f"  {limit_brief(limit)}"]
+    if limit.get("mode") != "steered":
+        return lines
+    lines.append(
+        f"    this interval ({limit.get('interval_s'):g} s): {limit.get('samples')} samples, "
+        f"{limit.get('stale')} stale (forwarded before the last change)"
+    )
+    lines.append(
+        f"    last judged: attainment {_share(limit.get('attainment'))} (target "
+        f"{_share(limit.get('attainment_target'))}): ttft {_share(limit.get('attainment_ttft'))}, "
+        f"tpot {_share(limit.get('attainment_tpot'))}, e2e {_share(limit.get('attainment_e2e'))}; "
+        f"the door's wait {_share(limit.get('wait_share'))} of the clients' TTFT, "
+        f"{_share(limit.get('door_miss_share'))} of the misses"
+    )
+    seen = [
+        f"{name} {limit[key]}"
+        for name, key in (("missed upstream at", "too_high"), ("missed by the door's wait at", "too_low"))
+        if limit.get(key) is not None
+    ]
+    if seen:
+        lines.append(f"    remembered: {', '.join(seen)}")
+    if limit.get("last_why"):
+        age = limit.get("last_age_s")
+        lines.append(
+            f"    last change ({limit.get('changes')} so far)"
+            + (f", {age:.0f} s ago" if isinstance(age, int | float) else "")
+            + f": {limit['last_why']}"
+        )
+    return lines
+
+
 def render_door(door: dict[str, Any]) -> str:
     cap = door.get("max_in_flight")
     lines = [
@@ -62,6 +132,7 @@ def render_door(door: dict[str, Any]) -> str:
         + (f" ({door['reason']})" if door.get("reason") else ""),
         f"  in flight {door.get('in_flight')}, waiting {door.get('queued')}, "
         f"max_in_flight {cap if cap is not None else 'no cap'}",
+        *limit_lines(door.get("limit") or {}),
         f"  prompt limit: max_model_len {door.get('max_model_len') or 'unknown'}, max_prompt_tokens "
         f"{door.get('max_prompt_tokens') or 'max_model_len'}, tokenizer "
         f"{'loaded' if door.get('tokenizer_loaded') else 'not loaded (prompt lengths are left to vLLM)'}",

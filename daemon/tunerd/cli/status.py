@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tunerd.cli.door import limit_brief
+
 
 def render_status(doc: dict[str, Any]) -> str:
     """Engine state and parameters, uptime, last journal record, and the signals as a table."""
@@ -66,9 +68,11 @@ def render_status(doc: dict[str, Any]) -> str:
     door = doc.get("door")
     if isinstance(door, dict):
         cap = door.get("max_in_flight")
+        limit = door.get("limit")
+        brief = limit_brief(limit) if isinstance(limit, dict) else f"cap {cap if cap is not None else 'none'}"
         lines.append(
             f"door {door.get('address')}: {door.get('state')}, {door.get('in_flight')} in flight, "
-            f"{door.get('queued')} waiting, cap {cap if cap is not None else 'none'} (tunerd door)"
+            f"{door.get('queued')} waiting, {brief} (tunerd door)"
         )
     if daemon.get("journal_error"):
         lines.append(f"journal: NOT WRITABLE: {daemon['journal_error']} (tuning frozen)")

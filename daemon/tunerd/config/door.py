@@ -27,6 +27,13 @@ class DoorConfig(BaseModel):
     # (vLLM's scheduler queues what exceeds max_num_seqs, as it does without the door). Changeable on the
     # running door (`Door.set_max_in_flight`) without a restart of anything.
     max_in_flight: int | None = Field(default=None, ge=1)
+    # Under a goodput objective ([objective] targets) and with `max_in_flight` unset, the door steers its
+    # cap live toward the targets (door/limit.py, docs/door.md "the cap steered live"): never below
+    # `min_in_flight`, never above the max_num_seqs in force; one step at most every `steer_interval_s`,
+    # judged on at least `steer_min_samples` requests forwarded since the last change.
+    min_in_flight: int = Field(default=1, ge=1)
+    steer_interval_s: float = Field(default=5.0, gt=0)
+    steer_min_samples: int = Field(default=10, ge=1)
     # Requests waiting in the door at once (engine down or draining, cap reached); one more gets 503.
     max_queue: int = Field(default=1024, ge=0)
     # The longest a request waits in the door, whatever it waits for; then 503. Above a restart's duration.

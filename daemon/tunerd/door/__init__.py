@@ -12,21 +12,25 @@ from tunerd.door.door import Door
 from tunerd.door.events import (
     DoorDrained,
     DoorFailed,
+    DoorLimit,
     DoorReleased,
     DoorRequests,
     DrainState,
     LimitsState,
     UpstreamState,
 )
+from tunerd.door.limit import LimitState
 
 __all__ = [
     "Door",
     "DoorConfig",
     "DoorDrained",
     "DoorFailed",
+    "DoorLimit",
     "DoorReleased",
     "DoorRequests",
     "DrainState",
+    "LimitState",
     "LimitsState",
     "UpstreamState",
 ]

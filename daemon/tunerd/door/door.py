@@ -14,7 +14,9 @@ import asyncio
 import contextlib
 import socket
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +26,11 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from tunerd.config.door import DoorConfig
-from tunerd.core.slo import RequestSample
+from tunerd.core.slo import RequestSample, Targets
 from tunerd.door.admission import PromptLimits, no_tokenizer_fields
-from tunerd.door.events import DoorFailed, DoorRequests, DrainState, LimitsState, UpstreamState
+from tunerd.door.events import DoorFailed, DoorLimit, DoorRequests, DrainState, LimitsState, UpstreamState
 from tunerd.door.gate import Gate
+from tunerd.door.limit import Goodput, LimitLog, LimitState, Static
 from tunerd.door.metrics import DoorMetrics
 from tunerd.door.proxy import Proxy
 
@@ -40,6 +43,8 @@ UPSTREAM_KEEPALIVE_S = 2.0
 # when a batch is this large (a burst): the loop's queue and the batch stay small.
 BATCH_S = 1.0
 BATCH_MAX = 4096
+# The steered cap's moves reach the journal (`door.limit`) at most this often, summed (door/limit.LimitLog).
+LIMIT_LOG_S = 30.0
 
 
 def new_event_loop(kind: str) -> asyncio.AbstractEventLoop:
@@ -60,9 +65,14 @@ class Door:
     """Clients → `config.host:config.port` → the upstream URL the main loop sets (vLLM on loopback).
 
     Starts in state "down" with no upstream: requests wait (up to `hold_timeout_s`) until the loop calls
-    `set_upstream(url, "serving")`. Thread-safe: `set_upstream`, `set_max_in_flight`, `set_max_model_len`,
-    `set_model_dir`, `drain_state`, `limits_state`, `address`, `stop`; `start` once, from the thread that
-    owns the door.
+    `set_upstream(url, "serving")`. Thread-safe: `set_upstream`, `set_max_in_flight`, `steer`,
+    `set_limit_bounds`, `set_targets`, `set_max_model_len`, `set_model_dir`, `drain_state`,
+    `limits_state`, `limit_state`, `address`, `stop`; `start` once, from the thread that owns the door.
+
+    The in-flight cap is a controller of the door's loop (door/limit.py): a fixed value (`[door]
+    max_in_flight`, or one the operator pinned: `set_max_in_flight`), else, once the main loop gave it
+    targets (`set_targets`) and bounds (`set_limit_bounds`), steered toward them — stepped on the door's
+    own timer from the per-request samples it records; the main loop never sets the steered values.
     """
 
     def __init__(
@@ -96,6 +106,14 @@ class Door:
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
         self._batch: list[RequestSample] = []  # the door's loop only; handed over whole (`_flush`)
+        # The cap's controller (door's loop only): pinned (a fixed value) or steered toward `_targets`.
+        self._pinned = config.max_in_flight is not None
+        self._pin = config.max_in_flight
+        self._targets: tuple[Targets, float] | None = None
+        self._bounds: tuple[int, int | None] = (config.min_in_flight, None)
+        self._limiter: Static | Goodput = Static(config.max_in_flight, config.min_in_flight)
+        self._limit_state = replace(self._limiter.state(), pinned=self._pinned)
+        self._limit_log = LimitLog(LIMIT_LOG_S)
         if model_dir is not None:
             self.set_model_dir(model_dir)
 
@@ -143,14 +161,31 @@ class Door:
             raise ValueError(f"unknown upstream state {state!r}")
         if state == "serving" and url is None and self._gate.url is None:
             raise ValueError("serving needs an upstream URL (none was set before)")
-        self._call(self._gate.set_upstream, url, state, reason)
+        self._call(self._set_upstream, url, state, reason)
 
     def set_max_in_flight(self, cap: int | None) -> None:
-        """The in-flight cap, on the running door: nothing in flight is dropped (a lower cap lets the
-        surplus finish and queues new requests; a higher one releases waiting ones at once)."""
+        """Pin the in-flight cap at `cap` (None: no cap) on the running door — it stays there, not
+        steered, until `steer`: nothing in flight is dropped (a lower cap lets the surplus finish and
+        queues new requests; a higher one releases waiting ones at once)."""
         if cap is not None and cap < 1:
             raise ValueError("max_in_flight must be at least 1 (or None: no cap)")
-        self._call(self._gate.set_max_in_flight, cap)
+        self._call(self._pin_limit, True, cap)
+
+    def steer(self) -> None:
+        """Unpin: the cap is steered toward the targets again (when there are targets; else no cap)."""
+        self._call(self._pin_limit, False, None)
+
+    def set_limit_bounds(self, low: int, high: int | None) -> None:
+        """The steered cap's bounds: `[door] min_in_flight` and the max_num_seqs in force (None: unknown;
+        door/limit.CEILING). A `low` above `high` is brought down to it."""
+        if low < 1 or (high is not None and high < 1):
+            raise ValueError("the cap's bounds must be at least 1")
+        self._call(self._set_bounds, low, high)
+
+    def set_targets(self, targets: Targets | None, attainment: float = 0.95) -> None:
+        """The goodput objective's per-request targets and attainment (None: no goodput objective in
+        force: the cap is not steered)."""
+        self._call(self._set_targets, None if targets is None or not targets.any else (targets, attainment))
 
     def set_max_model_len(self, max_model_len: int | None) -> None:
         """The max_model_len vLLM runs with (call at every engine start): prompts and `max_tokens` vLLM
@@ -169,6 +204,10 @@ class Door:
     def limits_state(self) -> LimitsState:
         """The prompt limits in force (an immutable snapshot)."""
         return self._limits_state
+
+    def limit_state(self) -> LimitState:
+        """The cap's controller: mode, value, bounds, its last step and why (an immutable snapshot)."""
+        return self._limit_state
 
     # -- the door's thread -----------------------------------------------------------------------
 
@@ -232,15 +271,23 @@ class Door:
         finally:
             self._loop.stop()
 
+    def _set_upstream(self, url: str | None, state: UpstreamState, reason: str) -> None:
+        epoch = self._gate.epoch
+        self._gate.set_upstream(url, state, reason)
+        if self._gate.epoch != epoch:  # serving again: a restart's hold is not the cap's wait
+            self._limiter.reset(time.monotonic())
+
     def _record(self, sample: RequestSample) -> None:
         """One answered generation request (door's loop): kept for the next batch."""
         batch = self._batch
         batch.append(sample)
+        self._limiter.record(sample)
         if len(batch) >= BATCH_MAX:
             self._flush()
 
     def _tick(self) -> None:
         self._flush()
+        self._steer(time.monotonic())
         if not self._stopped:
             self._loop.call_later(BATCH_S, self._tick)
 
@@ -249,6 +296,73 @@ class Door:
         if self._batch:
             batch, self._batch = self._batch, []
             self._post(DoorRequests(tuple(batch)))
+
+    # -- the cap's controller (door's loop) -------------------------------------------------------------
+
+    def _steer(self, now: float) -> None:
+        """The controller's step (it keeps its own interval), applied to the gate; `door.limit` posted
+        at most once per LIMIT_LOG_S. Not while vLLM does not serve: nothing then measures the cap."""
+        gate = self._gate
+        change = self._limiter.step(now, gate.snapshot.queued) if gate.state == "serving" else None
+        if change is not None:
+            self._apply_limit(change.new, "steered")
+            record = self._limit_log.add(change)
+        else:
+            record = self._limit_log.due(now)
+        self._tell(record)
+        self._publish_limit()
+
+    def _tell(self, record: dict[str, object] | None) -> None:
+        if record is not None:
+            self._post(DoorLimit(**record))  # type: ignore[arg-type]
+
+    def _pin_limit(self, pinned: bool, cap: int | None) -> None:
+        self._pinned, self._pin = pinned, cap
+        self._choose_limiter()
+
+    def _set_bounds(self, low: int, high: int | None) -> None:
+        low = min(low, high) if high is not None else low
+        self._bounds = (low, high)
+        limiter = self._limiter
+        if isinstance(limiter, Goodput):
+            change = limiter.set_bounds(low, high, time.monotonic())
+            if change is not None:
+                self._apply_limit(change.new, "set")
+                self._tell(self._limit_log.add(change))
+            self._publish_limit()
+        else:
+            self._choose_limiter()
+
+    def _set_targets(self, steering: tuple[Targets, float] | None) -> None:
+        self._targets = steering
+        limiter = self._limiter
+        if isinstance(limiter, Goodput) and steering is not None:
+            limiter.set_targets(*steering)
+            self._publish_limit()
+        else:
+            self._choose_limiter()
+
+    def _choose_limiter(self) -> None:
+        """Pinned (or no targets): a fixed cap; else steered, starting from the cap in force."""
+        low, high = self._bounds
+        if self._pinned or self._targets is None:
+            self._limiter = Static(self._pin if self._pinned else None, low, high)
+        elif not isinstance(self._limiter, Goodput):
+            cfg = self.config
+            self._limiter = Goodput(
+                *self._targets, low=low, high=high, start=self._gate.max_in_flight,
+                interval_s=cfg.steer_interval_s, min_samples=cfg.steer_min_samples, now=time.monotonic(),
+            )  # fmt: skip
+        self._apply_limit(self._limiter.limit, "set")
+        self._publish_limit()
+
+    def _apply_limit(self, cap: int | None, by: str) -> None:
+        if cap != self._gate.max_in_flight:
+            self._gate.set_max_in_flight(cap)
+            self.metrics.limit_changes.labels(by=by).inc()
+
+    def _publish_limit(self) -> None:
+        self._limit_state = replace(self._limiter.state(), pinned=self._pinned)
 
     def _set_max_model_len(self, max_model_len: int | None) -> None:
         self._limits.max_model_len = max_model_len

@@ -81,3 +81,15 @@ class DoorRequests:
     while idle): one `RequestSample` each (core/slo.py), for the main loop's `SloWindow`."""
 
     samples: tuple[RequestSample, ...]
+
+
+@dataclass(frozen=True)
+class DoorLimit:
+    """The door's steered cap moved (`door.limit` in the journal), at most once per `LIMIT_LOG_S`
+    (door/limit.py `LimitLog`): from `old` (before the first step since the last record) to `new`, the
+    last step's `why`, and how many steps this record sums (`steps`)."""
+
+    old: int | None
+    new: int | None
+    why: str
+    steps: int

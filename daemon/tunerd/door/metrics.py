@@ -54,6 +54,15 @@ class DoorMetrics:
         self.max_in_flight = Gauge(
             "tunerd_door_max_in_flight", "The door's in-flight cap (0: none)", registry=registry
         )
+        self.limit_changes = Counter(
+            "tunerd_door_max_in_flight_changes",
+            "Changes of the door's in-flight cap, by who changed it (steered: the door's controller; "
+            "set: the operator, the config)",
+            ["by"],
+            registry=registry,
+        )
+        for by in ("steered", "set"):
+            self.limit_changes.labels(by=by)
         self.hold = Histogram(
             "tunerd_door_hold_seconds",
             "Time a request waited in the door before it was forwarded (or refused)",

@@ -125,6 +125,8 @@ def decide(
     if isinstance(proposal, NoProposal):
         if rule.action.kind == "revert":
             return Alert(proposal.reason)
+        if not proposal.exhausted:  # not yet (the door's cap still steers): fired again after its cooldown
+            return Defer(proposal.reason)
         return Mute(f"nothing further to try: {proposal.reason}", exhausted=proposal.reason)
     flop = flip_flop(proposal.param, proposal.new, facts.kept, now_wall, tuning.tabu_s)
     if flop is not None:

@@ -66,15 +66,14 @@ REGISTRY: dict[str, Tunable] = {
 }
 
 
-# Knobs that change without a restart (core.params.LIVE_PARAMS). The door's cap: at most max_num_seqs
-# matters (vLLM runs no more at once), at least one request.
-LIVE: dict[str, Tunable] = {"door.max_in_flight": Tunable("door.max_in_flight", True, 1, 1024)}
+# The door's cap (core.params.LIVE_PARAMS) is not a tunable any more: the door steers it live toward the
+# [objective] targets (door/limit.py) or the operator pins it; a rule naming it moves its `then` (issue 21).
 
 
 @dataclass(frozen=True)
 class Proposal:
-    """One change: `param` from `old` to `new`; `params` is the whole set with it applied (unchanged
-    for a `live` knob, which changes on the running daemon: no restart)."""
+    """One change: `param` from `old` to `new`; `params` is the whole set with it applied. `live` (a knob
+    changed on the running daemon, no restart) is no longer proposed: the door steers its cap itself."""
 
     param: str
     old: Value | None
@@ -86,7 +85,9 @@ class Proposal:
 
 @dataclass(frozen=True)
 class NoProposal:
-    """Why a step proposes nothing (at a bound, next value tabu, nothing known to step from)."""
+    """Why a step proposes nothing (at a bound, next value tabu, nothing known to step from), or not yet
+    (`exhausted` False: the rule is deferred, not muted — restart knobs wait while the door's steered cap
+    is still moving toward the targets)."""
 
     reason: str
     exhausted: bool = True  # nothing further in this direction: mute the rule
@@ -155,41 +156,7 @@ def propose(
     return Proposal(name, old, new, changed, tuple(notes))
 
 
-def propose_live(
-    action: StepAction,
-    params: EngineParams,
-    current: Value | None,
-    *,
-    backend: Backend,
-    bounds: Mapping[str, tuple[float, float]] | None = None,
-    tabu: Mapping[tuple[str, Value], str] | None = None,
-    gpu_total_bytes: int | None = None,
-    running: float | None = None,
-) -> Proposal | NoProposal:
-    """The one change `action` asks of a live knob whose value is `current` (None: no cap, which
-    behaves as max_num_seqs: vLLM runs no more at once), within its bounds and max_num_seqs; a cap
-    above what vLLM ran (`running`) steps down from that, as `propose` does."""
-    name, notes = action.param, []
-    tunable = LIVE[name]
-    seqs = params.max_num_seqs or REGISTRY["max_num_seqs"].default(backend, gpu_total_bytes) or tunable.high
-    low, high = bounds_of(tunable, bounds or {}, backend, False, 1.0)
-    high = min(high, float(seqs))
-    old = current  # None (no cap) is what a revert restores
-    if current is None:
-        current = int(seqs)
-        notes.append(f"{name} is not set: stepping from max_num_seqs {current} (vLLM runs no more at once)")
-    new = _from_what_runs(tunable, action, current, running, (low, high), backend, notes)
-    if new is None or new == current:
-        return NoProposal(
-            f"{name} {current} is at its {'lower' if action.direction == 'down' else 'upper'} bound"
-        )
-    why_tabu = (tabu or {}).get((name, new))
-    if why_tabu is not None:
-        return NoProposal(f"the next value {name}={new} is tabu: {why_tabu}")
-    return Proposal(name, old, new, params, tuple(notes), live=True)
-
-
-CONCURRENCY_LIMITS = ("max_num_seqs", "door.max_in_flight")
+CONCURRENCY_LIMITS = ("max_num_seqs",)
 
 
 def _from_what_runs(

@@ -95,6 +95,9 @@ class DaemonState(BaseModel):
     # The front door's in-flight cap set on the running daemon (a kept trial, `tunerd door`); None:
     # [door] max_in_flight of the config.
     door_max_in_flight: int | None = None
+    # The operator pinned the cap (`tunerd door --max-in-flight`, None included: no cap) rather than leave
+    # it to the door's controller; `tunerd door --steer` unpins. An older file's value counts as a pin.
+    door_pinned: bool = False
 
 
 class StateStore:

@@ -6,9 +6,14 @@ The door (tunerd/door) runs in its own thread; the loop tells it, at every step,
 the door reports back arrives as events: a drain ended (the lifecycle may stop vLLM now), held requests
 released, the door failed; each is journaled here.
 
-The door's in-flight cap is the one knob that needs no restart: `set_max_in_flight` (the operator's
-`tunerd door --max-in-flight N`, the tuner's trials) changes it on the running door and remembers it in
-the state file, so a daemon restart keeps what was decided.
+The door's in-flight cap is the door's own (door/limit.py): under a goodput objective it is steered on
+the door's thread toward the targets; the loop only sets what it steers by — the targets and attainment
+(`[objective]`, at start and reload) and the bounds (`[door] min_in_flight`, the max_num_seqs of each
+run) — and journals what the door reports (`door.limit`, rate-limited there). The operator may pin a
+value (`tunerd door --max-in-flight N`, or `[door] max_in_flight`) and unpin it (`tunerd door --steer`);
+a pin is remembered in the state file, so a daemon restart keeps it. A rule's trial no longer moves the
+cap; while the steered cap is still moving toward the targets, rules' restart knobs wait
+(`restart_wait`, read by tune/proposer.py).
 """
 
 from __future__ import annotations
@@ -18,14 +23,19 @@ from pathlib import Path
 
 import structlog
 
+from tunerd.config import Config
+from tunerd.config.objective import in_force
+from tunerd.core.params import batch_defaults
 from tunerd.core.states import EngineState
-from tunerd.door import Door, DoorDrained, DoorFailed, DoorReleased, UpstreamState
+from tunerd.door import Door, DoorDrained, DoorFailed, DoorLimit, DoorReleased, UpstreamState
 from tunerd.records.recorder import Recorder
 from tunerd.supervise.lifecycle import ACTIVE, Lifecycle
 
 log = structlog.get_logger("tunerd")
 
-DOOR_EVENTS = (DoorDrained, DoorReleased, DoorFailed)
+DOOR_EVENTS = (DoorDrained, DoorReleased, DoorFailed, DoorLimit)
+# [door] keys a reload applies to the running door (the rest need a daemon restart).
+DOOR_LIVE_KEYS = ("max_in_flight", "min_in_flight")
 
 
 class Upstream:
@@ -54,26 +64,70 @@ class DoorLink:
         self.rec = recorder
         self._run_id: int | None = None
         door = self.door
-        self.max_in_flight = lifecycle.config.door.max_in_flight
-        saved = lifecycle.dstate.door_max_in_flight
-        if saved is not None:  # what a trial or the operator set survives a daemon restart
-            self.max_in_flight = saved
-            door.set_max_in_flight(saved)
-        self.set_model_dir(lifecycle.config.engine.model)
+        config = lifecycle.config
+        # A pin: `[door] max_in_flight` (the door starts with it), or the operator's, from the state file.
+        self.max_in_flight = config.door.max_in_flight
+        self.pinned = config.door.max_in_flight is not None
+        dstate = lifecycle.dstate
+        if dstate.door_pinned or dstate.door_max_in_flight is not None:  # survives a daemon restart
+            self.max_in_flight, self.pinned = dstate.door_max_in_flight, True
+            door.set_max_in_flight(self.max_in_flight)
+        self.max_num_seqs: int | None = None  # of the run in force (None: not known yet)
+        self.apply_config(config)
+        self.set_model_dir(config.engine.model)
+
+    def apply_config(self, config: Config) -> None:
+        """What the cap is steered by, from the config (at start, at every reload): the goodput
+        objective's targets when goodput is in force (else none: the cap is not steered), and the bounds."""
+        objective = config.objective
+        goodput = in_force(objective, door_enabled=True).kind == "goodput"
+        self.door.set_targets(objective.targets if goodput else None, objective.attainment)
+        self.door.set_limit_bounds(config.door.min_in_flight, self.max_num_seqs)
 
     def set_max_in_flight(self, cap: int | None, why: str) -> None:
-        """Change the door's cap now (no restart); journaled and kept in the state file."""
-        before, self.max_in_flight = self.max_in_flight, cap
+        """Pin the door's cap at `cap` now (no restart; None: no cap); journaled and kept in the state
+        file. The value already pinned changes nothing and journals nothing."""
+        if self.pinned and cap == self.max_in_flight:
+            return
+        before = self.door.limit_state().limit if not self.pinned else self.max_in_flight
+        self.max_in_flight, self.pinned = cap, True
         self.door.set_max_in_flight(cap)
-        self.life.dstate.door_max_in_flight = cap
+        self._save()
+        self.rec.record("door.max_in_flight", old=before, new=cap, why=why, mode="pinned")
+
+    def steer(self, why: str) -> None:
+        """Unpin: the door's controller steers the cap again (from the value in force). Already steered:
+        nothing is journaled."""
+        if not self.pinned:
+            return
+        before, self.max_in_flight, self.pinned = self.max_in_flight, None, False
+        self.door.steer()
+        self._save()
+        self.rec.record("door.max_in_flight", old=before, new=None, why=why, mode="steered")
+
+    def _save(self) -> None:
+        dstate = self.life.dstate
+        dstate.door_max_in_flight, dstate.door_pinned = self.max_in_flight, self.pinned
         self.life.save_state()
-        self.rec.record("door.max_in_flight", old=before, new=cap, why=why)
+
+    def restart_wait(self) -> str | None:
+        """Why a rule's restart knob waits (None: it need not): the steered cap is still moving toward the
+        targets it misses. Once they are met, or the cap cannot meet them (at a bound, or boxed in between
+        a cap that missed upstream and one that missed by the door's wait), restart knobs are tried."""
+        state = self.door.limit_state()
+        if not state.steering:
+            return None
+        return (
+            f"the door's cap ({state.limit}) is still steering toward the targets ({state.verdict} misses): "
+            "restart knobs wait until it meets them or cannot"
+        )
 
     # -- the tuner's live knob (tune/tuner.py: LiveKnobs) ----------------------------------------
 
     def value(self, name: str) -> int | None:
+        """The cap in force (pinned, or the steered value the door last published)."""
         assert name == "door.max_in_flight", name
-        return self.max_in_flight
+        return self.max_in_flight if self.pinned else self.door.limit_state().limit
 
     def set(self, name: str, value: object, why: str) -> None:
         assert name == "door.max_in_flight" and (value is None or isinstance(value, int)), (name, value)
@@ -100,6 +154,14 @@ class DoorLink:
         if run is not None and state in ACTIVE and run.run_id != self._run_id:
             self._run_id = run.run_id
             self.door.set_max_model_len(run.params.max_model_len)
+            # The steered cap's upper bound: vLLM runs no more than max_num_seqs at once (unset: its
+            # default for this machine; unknown machine: none known, door/limit.CEILING).
+            seqs = run.params.max_num_seqs
+            if seqs is None and run.machine is not None:
+                seqs = batch_defaults(run.machine.backend, run.machine.memory.gpu_total_bytes)[0]
+            if seqs != self.max_num_seqs:
+                self.max_num_seqs = seqs
+                self.door.set_limit_bounds(life.config.door.min_in_flight, seqs)
 
     # -- what the door reports ------------------------------------------------------------------------
 
@@ -110,6 +172,8 @@ class DoorLink:
             self.life.stop_drain.drained()
         elif isinstance(event, DoorReleased):
             self.rec.record("door.released", **asdict(event))
+        elif isinstance(event, DoorLimit):
+            self.rec.record("door.limit", **asdict(event))
         elif isinstance(event, DoorFailed):
             self.rec.record("door.failed", error=event.error)
             log.error("door.failed", error=event.error)
@@ -118,4 +182,8 @@ class DoorLink:
         """The door's part of the status document."""
         drain, limits = self.door.drain_state(), self.door.limits_state()
         host, port = self.door.address
-        return {"address": f"{host}:{port}", **asdict(drain), **asdict(limits)}
+        limit = asdict(self.door.limit_state())
+        limit["max_num_seqs"] = self.max_num_seqs
+        last_at = limit.pop("last_at")
+        limit["last_age_s"] = None if last_at is None else round(self.life.monotonic() - last_at, 1)
+        return {"address": f"{host}:{port}", **asdict(drain), **asdict(limits), "limit": limit}

@@ -1,6 +1,11 @@
 """A fired rule's action → the one change of its trial (the decisions are policy.tunables'): the step of
-its parameter, else of the next in its `then` list; a live knob's (no restart) with the value in force on
-the running daemon; a revert of the last kept change while it is still in force.
+its parameter, else of the next in its `then` list; a revert of the last kept change while it is still in
+force.
+
+The door's cap (`door.max_in_flight`) is not tried: the door steers it live toward the targets
+(door/limit.py) or the operator pins it, so a rule naming it moves its `then`. And while the steered cap
+is still moving toward targets it misses (`restart_wait`: supervise/door_link.py), a rule's restart knob
+waits — deferred, not muted —: restart knobs are tried once the cap meets the targets or cannot (issue 21).
 """
 
 from __future__ import annotations
@@ -10,11 +15,16 @@ from dataclasses import replace
 
 from tunerd.config import Config
 from tunerd.config.rules import Rule, StepAction
-from tunerd.core.params import EngineParams
-from tunerd.policy.tunables import LIVE, NoProposal, Proposal, propose, propose_live
+from tunerd.core.params import LIVE_PARAMS, EngineParams
+from tunerd.policy.tunables import NoProposal, Proposal, propose
 from tunerd.supervise.lifecycle import Lifecycle
 from tunerd.tune.memory import TuningMemory
 from tunerd.tune.trials import LiveKnobs
+
+DOOR_OWN = (
+    "the door's own cap: steered live toward the [objective] targets or pinned by the operator "
+    "(tunerd door), not tried by rules"
+)
 
 
 class Proposer:
@@ -24,11 +34,13 @@ class Proposer:
         memory: TuningMemory,
         knobs: LiveKnobs | None,
         config: Callable[[], Config],
+        restart_wait: Callable[[], str | None] | None = None,
     ) -> None:
         self.life = lifecycle
         self.memory = memory
         self.knobs = knobs
         self._config = config
+        self.restart_wait = restart_wait
 
     @property
     def config(self) -> Config:
@@ -44,6 +56,12 @@ class Proposer:
         assert isinstance(rule.action, StepAction)
         reasons = []
         for name in (rule.action.param, *rule.action.then):
+            if name in LIVE_PARAMS:
+                reasons.append(f"{name}: {DOOR_OWN}")
+                continue
+            waits = self.restart_wait() if self.restart_wait is not None else None
+            if waits is not None:
+                return NoProposal(waits, exhausted=False)
             action = rule.action.model_copy(update={"param": name, "then": []})
             proposal = self._step(action, params, running)
             if isinstance(proposal, Proposal):
@@ -57,14 +75,6 @@ class Proposer:
         machine = run.machine if run is not None else None
         backend = machine.backend if machine is not None else "cuda"
         gpu_total = machine.memory.gpu_total_bytes if machine is not None else None
-        if action.param in LIVE:
-            if self.knobs is None:
-                return NoProposal("the front door is off ([door] enabled)")
-            current = self.knobs.value(action.param)
-            return propose_live(
-                action, params, current, backend=backend, bounds=tuning.bounds, tabu=self.memory.tabu(),
-                gpu_total_bytes=gpu_total, running=running,
-            )  # fmt: skip
         return propose(
             action,
             params,
@@ -82,11 +92,8 @@ class Proposer:
         if not self.memory.state.kept:
             return NoProposal("no kept change to revert")
         last = self.memory.state.kept[-1]
-        if last.param in LIVE:
-            in_force = self.knobs.value(last.param) if self.knobs is not None else None
-            if in_force != last.new:
-                return NoProposal(f"the last kept change ({last.param} → {last.new}) is no longer in force")
-            return Proposal(last.param, last.new, last.old, params, ("revert",), live=True)
+        if last.param in LIVE_PARAMS:  # kept by an older tunerd's trial
+            return NoProposal(f"the last kept change ({last.param} → {last.new}): {DOOR_OWN}")
         if getattr(params, last.param) != last.new:
             return NoProposal(f"the last kept change ({last.param} → {last.new}) is no longer in force")
         return Proposal(last.param, last.new, last.old, params.replace(**{last.param: last.old}), ("revert",))

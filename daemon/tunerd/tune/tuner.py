@@ -11,9 +11,9 @@ the gates (`gates`), the evidence (`evidence`) and the verdict (`verdict`).
 A trial, in order: the rule fired on the *before* window of the serving run → the planner is asked
 (a refused change costs no restart) → the intent is journaled and vLLM restarted with the one change →
 warm-up → the *after* window, of the same length, of that run only → keep (the parameters become
-last-known-good and the new baseline) or revert (a restart like any other; the value goes tabu). A
-live knob's trial (the front door's in-flight cap) changes it on the running daemon instead of
-restarting: no planner, no restart, the same windows and verdict, a revert that is one call.
+last-known-good and the new baseline) or revert (a restart like any other; the value goes tabu). The
+front door's in-flight cap is not tried: the door steers it live (door/limit.py); while it is still moving
+toward targets it misses, restart knobs wait (`restart_wait`, tune/proposer.py).
 
 A trial is `trials.Trial`'s: the judge of the one change, whose phases and change its `Experiment`
 runs (tune/experiment.py); the tuner is its source: it evaluates the rules, asks `policy.fired.decide`
@@ -79,6 +79,7 @@ class Tuner:
         prober: Prober | None = None,
         recall: Recall | None = None,
         knobs: LiveKnobs | None = None,
+        restart_wait: Callable[[], str | None] | None = None,
     ) -> None:
         self.config = config
         self.rules = rules.rules if rules is not None else ()
@@ -103,7 +104,7 @@ class Tuner:
         self.prober = prober
         self.recall = recall
         self.knobs = knobs
-        self.proposer = Proposer(lifecycle, self.memory, knobs, lambda: self.config)
+        self.proposer = Proposer(lifecycle, self.memory, knobs, lambda: self.config, restart_wait)
         self._trial_ctx = TrialContext(
             config=lambda: self.config,
             lifecycle=lifecycle,

@@ -1,0 +1,454 @@
+"""The door's in-flight cap as a controller (pure: no threads, no I/O; `now` is given, monotonic seconds).
+
+A `Limiter` says the cap in force (`limit`; None: no cap), takes one `RequestSample` per answered request
+(`record`) and, when asked on the door's loop (`step(now, queued)`), may move the cap: it returns the
+`LimitChange` or None. Two implementations:
+
+- `Static`: today's fixed cap (`[door] max_in_flight`, or a value the operator pinned with
+  `tunerd door --max-in-flight N`). It never moves.
+- `Goodput`: steered toward the operator's per-request targets (`[objective]` ttft_s, tpot_s, e2e_s,
+  attainment) — the largest cap whose recent requests meet them.
+
+The reference is Envoy's adaptive-concurrency filter (a gradient of the minimum to the sampled latency,
+recomputed every sample window from the requests of that window, samples of requests started under an
+older limit dropped by epoch; Netflix's concurrency-limits and AIMD gateways are the same family). What
+differs here is the signal and the loop: an LLM server's latency is two figures with opposite answers to a
+cap, and the door holds requests, so in a closed loop of clients a lower cap does not lower the load — it
+moves the queue from vLLM into the door. On the H200 (issue 21) a cap stepped from none to 8 lowered
+vLLM's TTFT p95 from 2.08 s to 0.018 s while the clients' TTFT p95 rose from 1.19 s to 6.18 s. So:
+
+- **A request's TTFT is the client's** (core/slo.py): arrival at the door → first byte, the door's wait
+  included. A cap is never credited for a TTFT it only moved into the door.
+- **Each missed request is blamed on one side.** `upstream`: it missed its time per output token, or
+  its TTFT or end-to-end time would have missed even without the door's wait (vLLM's own queue, prefill
+  and decode: a smaller batch helps). `door`: it missed only because of its wait in the door (its
+  upstream TTFT alone, its e2e less the wait, were within target: a larger cap helps).
+- **The step** (every `interval_s`, from the fresh samples since the last step; with fewer than
+  `min_samples` it waits and keeps collecting): attainment ≥ target → *met*: step up when requests wait
+  in the door (the cap holds demand back), else hold. Missing, most misses upstream → step down
+  (×`decrease`, at least 1, never below `low`). Missing, most misses the door's wait → step up (never
+  down: that would only move the wait).
+- **Up steps search, they do not saw.** The controller remembers the smallest cap seen missing upstream
+  (`too_high`) and the largest seen missing by the door's wait (`too_low`) for `memory_s`; an up step
+  goes halfway to `too_high`, or, while none is known, by 1, 2, 4, … (up steps in a row: a probe one
+  above first, then faster); a down step goes no lower than the largest cap seen meeting the targets.
+  Under a fixed latency curve it settles on the largest cap that meets them (one below `too_high`)
+  instead of the sawtooth of plain AIMD; when the memory ages out it tries one above again, so a
+  lighter load is found (at the cost of one interval above the knee every `memory_s`).
+- **Stale samples are dropped**: after a change, a sample counts only when its request was forwarded at
+  or after the change (its whole upstream time ran under the new cap), and, after the upstream came
+  back (`reset`), only when it arrived after that (a hold across a restart is not the cap's wait).
+- **Bounds**: `[door] min_in_flight` below; above, the max_num_seqs in force (vLLM runs no more at
+  once: a larger cap changes nothing), or `CEILING` when it is not known.
+- **It cannot meet the targets** (`cannot_meet`) when the step it wants is blocked: missing upstream at
+  the lower bound (or just above a cap that missed by the door's wait), or missing by the door's wait at
+  the upper bound (or just below a cap that missed upstream). Then only a restart knob (a smaller batch,
+  more KV cache) or more capacity can help: the tuner tries restart knobs only then (tune/proposer.py).
+
+Failed requests (5xx, cuts) are not the cap's doing and are left out of its judgment.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Literal, Protocol
+
+from tunerd.core.slo import RequestSample, Targets, meets
+
+Verdict = Literal["met", "upstream", "door", "few", "idle", "static"]
+# vLLM's own upper bound of max_num_seqs (policy/tunables.py): the cap's ceiling when max_num_seqs is unknown.
+CEILING = 1024
+# A request that waited less than this in the door was not held back by the cap (the door's own
+# overhead is tens of microseconds: bench/front_door.py).
+WAITED_S = 0.001
+
+
+@dataclass(frozen=True, slots=True)
+class LimitChange:
+    """One move of the cap: `old` → `new` at `at` (monotonic), and why (for `door.limit`)."""
+
+    old: int | None
+    new: int | None
+    at: float
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class LimitState:
+    """What the controller reads and did (an immutable snapshot for `tunerd door` / `tunerd status`).
+
+    `mode` "static" (a fixed cap) or "steered"; `limit` the cap in force (None: none); `low`/`high` the
+    bounds; `samples` fresh samples in the current interval; the rest describe the last step:
+    `verdict` (met / upstream / door misses / too few samples / idle), `attainment` overall and per
+    target, `wait_share` (the door's wait over the clients' TTFT, summed), `door_miss_share` (the share of
+    misses that only the door's wait caused), `last_at`/`last_why` of the last change, `changes` since
+    the start, `cannot_meet` (see the module doc)."""
+
+    mode: Literal["static", "steered"]
+    limit: int | None
+    low: int
+    high: int | None
+    interval_s: float
+    samples: int = 0
+    stale: int = 0
+    verdict: Verdict = "static"
+    attainment: float | None = None
+    attainment_ttft: float | None = None
+    attainment_tpot: float | None = None
+    attainment_e2e: float | None = None
+    attainment_target: float | None = None
+    wait_share: float | None = None
+    door_miss_share: float | None = None
+    last_at: float | None = None
+    last_why: str = ""
+    changes: int = 0
+    cannot_meet: bool = False
+    too_high: int | None = None
+    too_low: int | None = None
+    pinned: bool = False  # static because the operator (or `[door] max_in_flight`) fixed it
+
+    @property
+    def steering(self) -> bool:
+        """Steered and still moving toward the targets: they are missed and the cap can still move."""
+        return self.mode == "steered" and self.verdict in ("upstream", "door") and not self.cannot_meet
+
+
+class Limiter(Protocol):
+    """The door's cap controller (door's loop only)."""
+
+    @property
+    def limit(self) -> int | None: ...
+
+    def record(self, sample: RequestSample) -> None: ...
+
+    def step(self, now: float, queued: int) -> LimitChange | None: ...
+
+    def reset(self, now: float) -> None: ...
+
+    def state(self) -> LimitState: ...
+
+
+class Static:
+    """A fixed cap (None: none). `record` and `step` do nothing: it is what the config or the operator
+    said."""
+
+    def __init__(self, limit: int | None, low: int = 1, high: int | None = None) -> None:
+        self._limit = limit
+        self._state = LimitState("static", limit, low, high, 0.0)
+
+    @property
+    def limit(self) -> int | None:
+        return self._limit
+
+    def record(self, sample: RequestSample) -> None:
+        del sample
+
+    def step(self, now: float, queued: int) -> LimitChange | None:
+        del now, queued
+        return None
+
+    def reset(self, now: float) -> None:
+        del now
+
+    def state(self) -> LimitState:
+        return self._state
+
+
+@dataclass(frozen=True, slots=True)
+class Judgment:
+    """One interval's fresh samples judged against the targets (`judge`)."""
+
+    n: int
+    good: int
+    misses_upstream: int
+    misses_door: int
+    waited: int
+    attainment: tuple[float | None, float | None, float | None, float | None]  # all, ttft, tpot, e2e
+    wait_share: float | None
+
+
+def judge(samples: list[RequestSample], targets: Targets) -> Judgment:
+    """Attainment overall and per target, and each miss blamed on vLLM (`upstream`) or on the door's wait
+    (`door`: within every target had it not waited). Answered requests only (pure)."""
+    n = good = up = door = waited = 0
+    hits, judged = [0, 0, 0], [0, 0, 0]
+    wait_sum = ttft_sum = 0.0
+    for s in samples:
+        if not s.ok:
+            continue
+        n += 1
+        verdict = meets(s, targets)
+        for i, m in enumerate(verdict):
+            if m is not None:
+                judged[i] += 1
+                hits[i] += m
+        if s.wait_s >= WAITED_S:
+            waited += 1
+        if s.ttft_s is not None:
+            wait_sum += s.wait_s
+            ttft_sum += s.ttft_s
+        if False not in verdict:
+            good += 1
+        elif _upstream_miss(s, targets, verdict):
+            up += 1
+        else:
+            door += 1
+    shares = tuple(hits[i] / judged[i] if judged[i] else None for i in range(3))
+    return Judgment(
+        n,
+        good,
+        up,
+        door,
+        waited,
+        (good / n if n else None, *shares),  # type: ignore[arg-type]
+        wait_sum / ttft_sum if ttft_sum > 0 else None,
+    )
+
+
+def _upstream_miss(s: RequestSample, targets: Targets, verdict: tuple[bool | None, ...]) -> bool:
+    """Whether the miss would remain without the door's wait: a TPOT miss, or a TTFT/e2e miss that vLLM's
+    own part (TTFT less the wait; e2e less the wait) misses too."""
+    ttft_ok, tpot_ok, e2e_ok = verdict
+    if tpot_ok is False:
+        return True
+    if ttft_ok is False and targets.ttft_s is not None:
+        upstream = s.upstream_ttft_s if s.upstream_ttft_s is not None else (s.ttft_s or 0.0) - s.wait_s
+        if upstream > targets.ttft_s:
+            return True
+    return bool(e2e_ok is False and targets.e2e_s is not None and s.e2e_s - s.wait_s > targets.e2e_s)
+
+
+@dataclass
+class Goodput:
+    """The cap steered toward `targets` (see the module doc). `limit` starts at `start` (clamped to the
+    bounds; None: the upper bound). Door's loop only; every method takes `now` from the caller."""
+
+    targets: Targets
+    attainment: float
+    low: int = 1
+    high: int | None = None
+    start: int | None = None
+    interval_s: float = 5.0
+    min_samples: int = 10
+    decrease: float = 0.75
+    memory_s: float = 60.0
+    now: float = 0.0
+    _limit: int = field(init=False)
+    _fresh: list[RequestSample] = field(default_factory=list, init=False)
+    _stale: int = field(default=0, init=False)
+    _changed_at: float = field(default=-math.inf, init=False)  # forwarded before: stale
+    _served_at: float = field(default=-math.inf, init=False)  # arrived before: stale (a restart's hold)
+    _interval_start: float = field(init=False)
+    _too_high: tuple[int, float] | None = field(default=None, init=False)  # (cap, seen at)
+    _too_low: tuple[int, float] | None = field(default=None, init=False)
+    _good: tuple[int, float] | None = field(default=None, init=False)
+    _ups: int = field(default=0, init=False)  # up steps in a row: the next one is 2**_ups
+    _state: LimitState = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.targets.any:
+            raise ValueError("a steered cap needs at least one per-request target")
+        if self.low < 1 or (self.high is not None and self.high < self.low):
+            raise ValueError(f"bounds {self.low}..{self.high}: need 1 <= low <= high")
+        self._limit = self._clamp(self.start if self.start is not None else self.ceiling)
+        self._interval_start = self.now
+        self._state = LimitState(
+            "steered", self._limit, self.low, self.high, self.interval_s, attainment_target=self.attainment,
+            verdict="few",
+        )  # fmt: skip
+
+    @property
+    def ceiling(self) -> int:
+        return self.high if self.high is not None else max(CEILING, self.low)
+
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    def _clamp(self, value: int) -> int:
+        return max(self.low, min(self.ceiling, value))
+
+    # -- inputs -------------------------------------------------------------------------------------
+
+    def record(self, sample: RequestSample) -> None:
+        """One answered request; kept for the current interval unless it is stale (forwarded before the
+        last change, or arrived before the upstream last came back)."""
+        arrived = sample.done - sample.e2e_s
+        if arrived + sample.wait_s < self._changed_at or arrived < self._served_at:
+            self._stale += 1
+            return
+        self._fresh.append(sample)
+
+    def reset(self, now: float) -> None:
+        """The upstream serves again (a restart, a new run): what arrived before is not the cap's doing,
+        and what was learnt of the latency curve belongs to the old run."""
+        self._served_at = now
+        self._fresh = [s for s in self._fresh if s.done - s.e2e_s >= now]
+        self._too_high = self._too_low = self._good = None
+        self._interval_start = now
+
+    def set_bounds(self, low: int, high: int | None, now: float) -> LimitChange | None:
+        """New bounds (max_num_seqs changed with a restart, or `[door] min_in_flight` by a reload): the
+        cap is brought inside them; the curve's memory is forgotten."""
+        if low < 1 or (high is not None and high < low):
+            raise ValueError(f"bounds {low}..{high}: need 1 <= low <= high")
+        if (low, high) == (self.low, self.high):
+            return None  # a reload that changed nothing here: what was learnt stays
+        self.low, self.high = low, high
+        self._too_high = self._too_low = self._good = None
+        self._state = replace(self._state, low=low, high=high)
+        return self._move(self._clamp(self._limit), now, f"bounds {low}..{high if high is not None else '-'}")
+
+    def set_targets(self, targets: Targets, attainment: float) -> None:
+        if not targets.any:
+            raise ValueError("a steered cap needs at least one per-request target")
+        if (targets, attainment) == (self.targets, self.attainment):
+            return
+        self.targets, self.attainment = targets, attainment
+        self._too_high = self._too_low = self._good = None
+
+    # -- the step -----------------------------------------------------------------------------------
+
+    def step(self, now: float, queued: int) -> LimitChange | None:
+        """At most once per `interval_s`: judge the fresh samples and move the cap (or not). `queued`:
+        requests waiting in the door now."""
+        self.now = now
+        if now - self._interval_start < self.interval_s:
+            self._state = replace(self._state, samples=len(self._fresh), stale=self._stale)
+            return None
+        self._forget(now)
+        samples, self._fresh = self._fresh, []
+        j = judge(samples, self.targets)
+        if j.n < self.min_samples:
+            self._fresh = samples  # keep collecting: a verdict on a handful of requests is noise
+            self._state = replace(self._state, samples=len(samples), stale=self._stale)
+            if j.n == 0 and queued == 0:
+                self._publish(j, "idle", False)  # nothing to judge: an idle server is not failing
+            return None
+        self._interval_start = now
+        self._stale = 0
+        attained = j.attainment[0]
+        assert attained is not None
+        cap = self._limit
+        if attained >= self.attainment:
+            self._good = (cap, now) if self._good is None or self._good[0] <= cap else self._good
+            if self._too_low is not None and self._too_low[0] >= cap:
+                self._too_low = None  # met where it missed: the curve moved
+            if self._too_high is not None and self._too_high[0] <= cap:
+                self._too_high = None
+            held_back = queued > 0 or j.waited > 0
+            new = self._up(cap) if held_back else cap
+            why = f"met ({attained:.1%} ≥ {self.attainment:.0%})" + (
+                ", requests wait in the door" if held_back else ""
+            )
+            self._publish(j, "met", False)
+            return self._move(new, now, why)
+        if j.misses_upstream > j.misses_door:
+            self._too_high = (
+                (cap, now) if self._too_high is None or cap <= self._too_high[0] else self._too_high
+            )
+            if self._good is not None and self._good[0] >= cap:
+                self._good = None
+            new = self._down(cap)
+            why = (
+                f"missed ({attained:.1%} < {self.attainment:.0%}), {j.misses_upstream} of "
+                f"{j.misses_upstream + j.misses_door} misses upstream: a smaller batch"
+            )
+            self._publish(j, "upstream", new == cap)
+            return self._move(new, now, why)
+        self._too_low = (cap, now) if self._too_low is None or cap >= self._too_low[0] else self._too_low
+        new = self._up(cap)
+        why = (
+            f"missed ({attained:.1%} < {self.attainment:.0%}), {j.misses_door} of "
+            f"{j.misses_upstream + j.misses_door} misses only by the door's wait: never a lower cap"
+        )
+        self._publish(j, "door", new == cap)
+        return self._move(new, now, why)
+
+    def _up(self, cap: int) -> int:
+        top = self.ceiling
+        if self._too_high is not None:
+            top = min(top, self._too_high[0] - 1)
+            new = math.ceil((cap + self._too_high[0]) / 2)
+        else:
+            new = cap + 2**self._ups
+        return max(cap, min(top, new))
+
+    def _down(self, cap: int) -> int:
+        bottom = self.low
+        if self._too_low is not None:
+            bottom = max(bottom, self._too_low[0] + 1)
+        if self._good is not None and self._good[0] < cap:
+            bottom = max(bottom, self._good[0])
+        new = min(cap - 1, math.floor(cap * self.decrease))
+        return min(cap, max(bottom, new))
+
+    def _forget(self, now: float) -> None:
+        for name in ("_too_high", "_too_low", "_good"):
+            seen = getattr(self, name)
+            if seen is not None and now - seen[1] > self.memory_s:
+                setattr(self, name, None)
+
+    def _move(self, new: int, now: float, why: str) -> LimitChange | None:
+        old = self._limit
+        self._ups = self._ups + 1 if new > old else 0
+        if new == old:
+            return None
+        self._limit = new
+        self._changed_at = now
+        self._fresh = []
+        self._interval_start = now
+        self._state = replace(
+            self._state, limit=new, last_at=now, last_why=why, changes=self._state.changes + 1
+        )
+        return LimitChange(old, new, now, why)
+
+    def _publish(self, j: Judgment, verdict: Verdict, cannot_meet: bool) -> None:
+        misses = j.misses_upstream + j.misses_door
+        self._state = replace(
+            self._state,
+            samples=len(self._fresh),
+            stale=self._stale,
+            verdict=verdict,
+            attainment=j.attainment[0],
+            attainment_ttft=j.attainment[1],
+            attainment_tpot=j.attainment[2],
+            attainment_e2e=j.attainment[3],
+            attainment_target=self.attainment,
+            wait_share=j.wait_share,
+            door_miss_share=j.misses_door / misses if misses else None,
+            cannot_meet=cannot_meet,
+            too_high=self._too_high[0] if self._too_high is not None else None,
+            too_low=self._too_low[0] if self._too_low is not None else None,
+        )
+
+    def state(self) -> LimitState:
+        return self._state
+
+
+class LimitLog:
+    """The `door.limit` journal record, rate-limited (pure): the first change is told at once, later ones
+    at most once per `every_s`, the latest pending one carrying the first `old` since the last record,
+    the last `new` and `why`, and how many steps it sums (`steps`). Never a journal line per step."""
+
+    def __init__(self, every_s: float = 30.0) -> None:
+        self.every_s = every_s
+        self._told_at = -math.inf
+        self._pending: dict[str, object] | None = None
+
+    def add(self, change: LimitChange) -> dict[str, object] | None:
+        """Note `change`; the record to journal now, or None (held until `due`)."""
+        p = self._pending
+        if p is None:
+            self._pending = {"old": change.old, "new": change.new, "why": change.why, "steps": 1}
+        else:
+            p.update(new=change.new, why=change.why, steps=int(p["steps"]) + 1)  # type: ignore[call-overload]
+        return self.due(change.at)
+
+    def due(self, now: float) -> dict[str, object] | None:
+        """The pending record when `every_s` has passed since the last one told (else None)."""
+        if self._pending is None or now - self._told_at < self.every_s:
+            return None
+        record, self._pending, self._told_at = self._pending, None, now
+        return record

@@ -1,0 +1,251 @@
+"""The door's cap controller (door/limit.py) on simulated latency curves, with a fake clock: it converges
+on the largest cap that meets the targets, backs off when latency rises, holds its bounds, never lowers
+the cap when the door's own wait is what misses, drops stale samples; and the journal's rate limit."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from tests.unit.fakes import FakeClock
+from tunerd.core.slo import RequestSample, Targets
+from tunerd.door.limit import CEILING, Goodput, LimitChange, LimitLog, Static, judge
+
+TOKENS = 100
+
+
+def sample(
+    forwarded: float, *, wait: float = 0.0, upstream_ttft: float = 0.05, tpot: float = 0.01
+) -> RequestSample:
+    """One streamed request forwarded at `forwarded` after `wait` in the door."""
+    upstream_e2e = upstream_ttft + (TOKENS - 1) * tpot
+    return RequestSample(
+        done=forwarded + upstream_e2e,
+        wait_s=wait,
+        upstream_ttft_s=upstream_ttft,
+        ttft_s=wait + upstream_ttft,
+        tokens=TOKENS,
+        tokens_exact=True,
+        tpot_s=tpot,
+        e2e_s=wait + upstream_e2e,
+        streamed=True,
+        ok=True,
+    )
+
+
+class ClosedLoop:
+    """`clients` streaming clients against a server whose time per token grows with the batch
+    (`tpot(c)`, c = min(cap, clients)); the rest of the clients wait in the door."""
+
+    def __init__(self, clients: int, tpot: Callable[[int], float], upstream_ttft: float = 0.05) -> None:
+        self.clients = clients
+        self.tpot = tpot
+        self.upstream_ttft = upstream_ttft
+
+    def feed(self, limiter: Goodput, now: float, n: int = 20) -> int:
+        """`n` requests forwarded just after `now` under the cap in force; returns how many wait now."""
+        cap = limiter.limit
+        c = min(cap, self.clients)
+        per_token = self.tpot(c)
+        service = self.upstream_ttft + (TOKENS - 1) * per_token
+        waiting = max(0, self.clients - c)
+        wait = waiting / c * service  # a closed loop: the queue ahead of a request drains c at a time
+        for _ in range(n):
+            limiter.record(sample(now + 0.01, wait=wait, upstream_ttft=self.upstream_ttft, tpot=per_token))
+        return waiting
+
+
+def run(limiter: Goodput, loop: ClosedLoop, clock: FakeClock, steps: int) -> list[int]:
+    caps = []
+    for _ in range(steps):
+        queued = loop.feed(limiter, clock())
+        clock.advance(limiter.interval_s)
+        limiter.step(clock(), queued)
+        caps.append(limiter.limit)
+    return caps
+
+
+def linear(a: float, b: float) -> Callable[[int], float]:
+    return lambda c: a + b * c
+
+
+def steered(clock: FakeClock, targets: Targets, **kw: object) -> Goodput:
+    return Goodput(targets, 0.95, now=clock(), **kw)  # type: ignore[arg-type]
+
+
+def test_converges_on_the_largest_cap_that_meets_the_tpot_target() -> None:
+    # TPOT = 2 ms + 0.5 ms per sequence; target 20.2 ms: caps up to 36 meet it, 37 does not.
+    clock = FakeClock()
+    limiter = steered(clock, Targets(tpot_s=0.0202), low=1, high=256, memory_s=3600.0)
+    caps = run(limiter, ClosedLoop(200, linear(0.002, 0.0005)), clock, 40)
+    assert caps[-1] == 36
+    assert set(caps[-10:]) == {36}  # settled, not a sawtooth
+    assert limiter.state().verdict == "met"
+    # A reload that changes neither bounds nor targets keeps what was learnt (no probe above 36 follows).
+    assert limiter.set_bounds(1, 256, clock()) is None
+    limiter.set_targets(Targets(tpot_s=0.0202), 0.95)
+    assert run(limiter, ClosedLoop(200, linear(0.002, 0.0005)), clock, 1) == [36]
+
+
+def test_converges_from_below_when_requests_wait_in_the_door() -> None:
+    clock = FakeClock()
+    limiter = steered(clock, Targets(tpot_s=0.0202), low=1, high=256, start=2)
+    caps = run(limiter, ClosedLoop(200, linear(0.002, 0.0005)), clock, 40)
+    assert caps[-1] == 36
+
+
+def test_backs_off_when_latency_rises_and_climbs_back_when_it_falls() -> None:
+    clock = FakeClock()
+    limiter = steered(clock, Targets(tpot_s=0.0202), low=1, high=256, memory_s=30.0)
+    caps = run(limiter, ClosedLoop(200, linear(0.002, 0.0005)), clock, 40)
+    # Settled on 36; once the memory of the miss at 37 ages out (30 s) it tries one above, once.
+    assert set(caps[-12:]) <= {36, 37} and caps[-12:].count(36) >= 10
+    while limiter.limit != 36:
+        caps = run(limiter, ClosedLoop(200, linear(0.002, 0.0005)), clock, 1)
+    # Longer prompts arrive: every sequence costs twice as much. 18 caps meet 20.2 ms now.
+    caps = run(limiter, ClosedLoop(200, linear(0.002, 0.001)), clock, 40)
+    assert caps[0] < 36  # the first interval's misses step it down at once
+    assert set(caps[-12:]) <= {18, 19} and 18 in caps[-2:]
+    # The load lightens again: once its memory of the miss ages out, it finds 36 again.
+    caps = run(limiter, ClosedLoop(200, linear(0.002, 0.0005)), clock, 60)
+    assert set(caps[-12:]) <= {36, 37} and 36 in caps[-2:]
+
+
+def test_holds_its_bounds_and_says_when_the_cap_cannot_meet_the_targets() -> None:
+    clock = FakeClock()
+    # Even one sequence misses (TPOT 30 ms at c = 1, target 20 ms): down to the lower bound, then it says so.
+    limiter = steered(clock, Targets(tpot_s=0.020), low=4, high=64)
+    caps = run(limiter, ClosedLoop(200, linear(0.03, 0.001)), clock, 30)
+    assert min(caps) == 4 and caps[-1] == 4
+    state = limiter.state()
+    assert state.verdict == "upstream" and state.cannot_meet and not state.steering
+    # Everything meets: up to the upper bound (max_num_seqs), never past it.
+    limiter = steered(clock, Targets(tpot_s=0.020), low=1, high=48, start=1)
+    caps = run(limiter, ClosedLoop(200, linear(0.001, 0.0001)), clock, 30)
+    assert max(caps) == 48 and caps[-1] == 48
+    # max_num_seqs unknown: a sane ceiling.
+    assert steered(clock, Targets(tpot_s=0.02)).limit == CEILING
+
+
+def test_new_bounds_bring_the_cap_inside_them() -> None:
+    clock = FakeClock()
+    limiter = steered(clock, Targets(tpot_s=0.020), low=1, high=256)
+    change = limiter.set_bounds(2, 16, clock())
+    assert change == LimitChange(256, 16, clock(), "bounds 2..16")
+    assert limiter.set_bounds(2, 16, clock()) is None  # nothing moved: nothing to tell
+    with pytest.raises(ValueError):
+        limiter.set_bounds(8, 4, clock())
+
+
+def test_never_lowers_the_cap_when_the_doors_wait_is_what_misses() -> None:
+    # The H200's closed loop (issue 21): vLLM's own TTFT is fine at any cap, the clients' TTFT target is
+    # missed only by their wait in the door. Capping would only move the queue: the cap only rises.
+    clock = FakeClock()
+    limiter = steered(clock, Targets(ttft_s=0.5, tpot_s=0.05), low=1, high=128, start=8)
+    caps = run(limiter, ClosedLoop(100, linear(0.005, 0.0001), upstream_ttft=0.05), clock, 30)
+    assert all(b >= a for a, b in zip([8, *caps], caps, strict=False))
+    assert caps[-1] >= 100  # every client admitted: nothing waits any more
+    state = limiter.state()
+    assert state.verdict == "met"
+
+
+def test_the_doors_wait_at_the_upper_bound_cannot_be_met_by_the_cap() -> None:
+    clock = FakeClock()
+    limiter = steered(clock, Targets(ttft_s=0.5), low=1, high=16)
+    caps = run(limiter, ClosedLoop(100, linear(0.005, 0.0001)), clock, 5)
+    assert caps == [16] * 5
+    state = limiter.state()
+    assert state.verdict == "door" and state.cannot_meet
+    assert state.door_miss_share == 1.0 and state.wait_share is not None and state.wait_share > 0.9
+
+
+def test_blames_each_miss_on_vllm_or_on_the_doors_wait() -> None:
+    targets = Targets(ttft_s=1.0, tpot_s=0.02, e2e_s=10.0)
+    j = judge(
+        [
+            sample(0, tpot=0.03),  # TPOT: vLLM's
+            sample(0, wait=2.0, upstream_ttft=0.1),  # TTFT 2.1 s, vLLM's part 0.1 s: the door's
+            sample(0, wait=0.1, upstream_ttft=1.5),  # vLLM's own TTFT misses: vLLM's
+            sample(0, wait=9.0),  # e2e 10.04 s: only the wait made it miss
+            sample(0),  # good
+        ],
+        targets,
+    )
+    assert (j.n, j.good, j.misses_upstream, j.misses_door) == (5, 1, 2, 2)
+
+
+def test_drops_samples_forwarded_before_a_change() -> None:
+    clock = FakeClock()
+    limiter = steered(clock, Targets(tpot_s=0.020), low=1, high=64, min_samples=5)
+    for _ in range(10):
+        limiter.record(sample(clock(), tpot=0.05))  # misses at 64
+    clock.advance(5)
+    change = limiter.step(clock(), 0)
+    assert change is not None and change.new == 48
+    changed_at = clock()
+    clock.advance(1)
+    # Requests forwarded under 64 finish now: stale, they say nothing of 48.
+    for _ in range(10):
+        limiter.record(sample(changed_at - 0.5, tpot=0.05))
+    assert limiter.state().samples == 0
+    clock.advance(5)
+    assert limiter.step(clock(), 0) is None  # nothing fresh: no verdict, no step
+    assert limiter.state().stale == 10
+    for _ in range(5):
+        limiter.record(sample(changed_at + 0.1, tpot=0.01))
+    clock.advance(5)
+    limiter.step(clock(), 0)
+    assert limiter.state().verdict == "met"
+
+
+def test_a_restart_drops_what_arrived_before_it() -> None:
+    clock = FakeClock()
+    limiter = steered(clock, Targets(ttft_s=0.5), low=1, high=8, start=4, min_samples=3)
+    limiter.reset(clock())  # vLLM serves again; these were held across the restart
+    for _ in range(5):
+        limiter.record(sample(clock() + 0.1, wait=60.0))
+    clock.advance(5)
+    assert limiter.step(clock(), 0) is None and limiter.limit == 4
+
+
+def test_waits_for_enough_samples_and_steps_once_per_interval() -> None:
+    clock = FakeClock()
+    limiter = steered(clock, Targets(tpot_s=0.020), low=1, high=64, min_samples=10)
+    for _ in range(9):
+        limiter.record(sample(clock(), tpot=0.05))
+    clock.advance(5)
+    assert limiter.step(clock(), 0) is None  # nine: keep collecting
+    limiter.record(sample(clock(), tpot=0.05))
+    clock.advance(1)
+    assert limiter.step(clock(), 0) is not None  # the tenth: the interval already passed
+    for _ in range(20):
+        limiter.record(sample(clock() + 0.01, tpot=0.05))
+    clock.advance(4)
+    assert limiter.step(clock(), 0) is None  # within the interval of the change
+    clock.advance(1)
+    assert limiter.step(clock(), 0) is not None
+
+
+def test_static_never_moves() -> None:
+    limiter = Static(12)
+    limiter.record(sample(0, tpot=1.0))
+    assert limiter.step(100.0, 50) is None and limiter.limit == 12
+    assert limiter.state().mode == "static"
+
+
+def test_a_steered_cap_needs_a_target() -> None:
+    with pytest.raises(ValueError):
+        Goodput(Targets(), 0.95)
+
+
+def test_the_journal_hears_of_the_cap_at_most_once_per_interval() -> None:
+    log = LimitLog(every_s=30.0)
+    first = log.add(LimitChange(None, 64, 0.0, "bounds"))
+    assert first == {"old": None, "new": 64, "why": "bounds", "steps": 1}
+    told = [log.add(LimitChange(64 - i, 63 - i, 5.0 * i, f"step {i}")) for i in range(1, 6)]  # t = 5 … 25
+    assert told == [None] * 5
+    assert log.due(29.9) is None
+    assert log.due(30.0) == {"old": 63, "new": 58, "why": "step 5", "steps": 5}
+    assert log.due(100.0) is None  # nothing pending: nothing told
+    assert log.add(LimitChange(58, 60, 100.0, "met")) == {"old": 58, "new": 60, "why": "met", "steps": 1}
