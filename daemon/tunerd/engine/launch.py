@@ -105,3 +105,35 @@ def access_log_args(config: Config) -> list[str]:
     if any(arg.split("=", 1)[0].replace("_", "-") in said for arg in config.engine.extra_args):
         return []
     return [ACCESS_LOG_FLAG]
+
+
+PER_REQUEST_METRICS_FLAG = "--enable-per-request-metrics"  # vLLM 0.32+ (PR #46768; vllm-facts.md)
+
+
+def per_request_metrics_args(config: Config, capabilities: dict[str, Any]) -> list[str]:
+    """`--enable-per-request-metrics` where it serves and this vLLM has it (`[engine]
+    per_request_metrics`): vLLM then adds a `metrics` object (queue time, time to first token from
+    scheduling, generation time, mean ITL) to each completion answer, which the door's meter reads to split
+    the upstream time into queue, prefill and decode (door/meter.py).
+
+    "auto" passes it only while the door is on (nothing else reads it), only when `--help` of this very
+    command listed it (`capabilities["flags"]`), and never with `--disable-log-stats` in extra_args: vLLM
+    refuses the two together. Nothing is added when extra_args already says it.
+
+    What clients see: a non-streamed answer carries the extra `metrics` key (additive JSON; OpenAI
+    clients ignore unknown keys). A streamed answer carries it only on its final usage chunk, which exists
+    only when the client asked for `stream_options.include_usage`: tunerd neither injects that option nor
+    passes `--enable-force-include-usage`, so a stream the client did not ask usage for is unchanged — and
+    its split stays unknown (the door still times its TTFT and TPOT itself).
+    """
+    engine = config.engine
+    if engine.per_request_metrics == "off" or not config.door.enabled:
+        return []
+    if capabilities.get("command") != list(engine.command):
+        return []
+    if PER_REQUEST_METRICS_FLAG not in (capabilities.get("flags") or ()):
+        return []
+    said = {arg.split("=", 1)[0].replace("_", "-") for arg in engine.extra_args}
+    if "--disable-log-stats" in said or PER_REQUEST_METRICS_FLAG in said:
+        return []
+    return [PER_REQUEST_METRICS_FLAG]

@@ -15,7 +15,13 @@ from tunerd.config import Config
 from tunerd.core.failures import EngineFailure, FailureKind
 from tunerd.core.machine import GpuFacts
 from tunerd.core.params import EngineParams, sizing_flag
-from tunerd.engine.launch import access_log_args, build_argv, build_env, drain_args
+from tunerd.engine.launch import (
+    access_log_args,
+    build_argv,
+    build_env,
+    drain_args,
+    per_request_metrics_args,
+)
 from tunerd.engine.leftovers import LeftoverReaper
 from tunerd.engine.oscalls import OsCalls
 from tunerd.engine.process import Engine, EngineRun
@@ -145,6 +151,7 @@ class Starter:
         capabilities = self.dstate.capabilities or {}
         argv = build_argv(engine_cfg, self._launched(pending)) + access_log_args(self.config)
         argv += drain_args(self.config, capabilities)
+        argv += per_request_metrics_args(self.config, capabilities)
         if capabilities.get("command") == list(engine_cfg.command) and capabilities.get("dropped_flags"):
             argv = without_flags(argv, capabilities["dropped_flags"])  # this vLLM does not know them
         try:
