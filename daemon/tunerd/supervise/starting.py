@@ -20,6 +20,7 @@ from tunerd.engine.launch import (
     build_argv,
     build_env,
     drain_args,
+    histogram_buckets_args,
     per_request_metrics_args,
 )
 from tunerd.engine.leftovers import LeftoverReaper
@@ -152,6 +153,7 @@ class Starter:
         argv = build_argv(engine_cfg, self._launched(pending)) + access_log_args(self.config)
         argv += drain_args(self.config, capabilities)
         argv += per_request_metrics_args(self.config, capabilities)
+        argv += histogram_buckets_args(self.config, capabilities)
         if capabilities.get("command") == list(engine_cfg.command) and capabilities.get("dropped_flags"):
             argv = without_flags(argv, capabilities["dropped_flags"])  # this vLLM does not know them
         try:
