@@ -183,7 +183,8 @@ def _duration(seconds: Any) -> str:
 
 
 def probe_line(figures: dict[str, Any]) -> str:
-    """One probe's figures on a line: tokens/s, TTFT and ITL p50/p95, errors."""
+    """One probe's figures on a line: tokens/s, TTFT and ITL p50/p95, errors, and the share of its
+    requests within the [objective] targets when they are set."""
 
     def ms(key: str, decimals: int = 0) -> str:
         value = figures.get(key)
@@ -191,8 +192,10 @@ def probe_line(figures: dict[str, Any]) -> str:
 
     throughput = figures.get("throughput")
     rate = "?" if throughput is None else f"{throughput:.1f}"
+    attainment = figures.get("attainment")
     return (
         f"{rate} tok/s, TTFT p50/p95 {ms('ttft_p50')}/{ms('ttft_p95')} ms, "
         f"ITL p50/p95 {ms('itl_p50', 1)}/{ms('itl_p95', 1)} ms, {len(figures.get('errors') or [])} errors "
         f"of {figures.get('requests', '?')} requests"
+        + ("" if attainment is None else f", {_share(attainment)} within the targets")
     )

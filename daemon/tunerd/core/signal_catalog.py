@@ -150,6 +150,8 @@ SIGNAL_TABLE: tuple[tuple[str, str, str, object, str, str], ...] = (
             ("itl_p50", "s", "median over the last probe's requests of their times per output token"),
             ("itl_p95", "s", "0.95 quantile over the last probe's requests of their times per output token"),
             ("errors", "requests", "requests of the last probe that failed"),
+            ("attainment", "ratio 0..1",
+             "share of the last probe's requests that met every [objective] target (failed ones miss)"),
             ("age_s", "s", "seconds since the last probe finished"),
         )
     ),
