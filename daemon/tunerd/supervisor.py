@@ -32,6 +32,7 @@ from tunerd.core.commands import Command
 from tunerd.core.machine import MemoryReading
 from tunerd.core.params import EngineParams
 from tunerd.core.slo import SloWindow, readings
+from tunerd.core.slo_estimate import HISTOGRAM_INPUTS, histogram_estimate
 from tunerd.core.states import EngineState
 from tunerd.door import Door, DoorRequests
 from tunerd.engine.launch import build_env
@@ -561,7 +562,9 @@ class Supervisor:
             now,
         )
         document["tuning"] = tuning_status(self.tuner, now)
-        document["objective"] = objective_status(self.config, self.signals)
+        increases = {t: self.window.histogram_increase(name) for t, name in HISTOGRAM_INPUTS.items()}
+        estimate = histogram_estimate(increases, self.config.objective.targets)
+        document["objective"] = objective_status(self.config, self.signals, estimate)
         if self.door_link is not None:
             document["door"] = self.door_link.status()
         return document

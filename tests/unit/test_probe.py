@@ -19,24 +19,31 @@ import statistics
 import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.unit.fakes import make_rig
 from tunerd.cli.probe import compare_with_baseline
 from tunerd.cli.status import probe_line
 from tunerd.config import ProbeConfig
 from tunerd.core.signal_catalog import SIGNAL_NAMES
+from tunerd.core.slo import Targets
 from tunerd.faces.http import SHUTDOWN_POLL_S  # shutdown() waits up to one poll
 from tunerd.observe.probe import (
     FIRST_TOKEN_ID,
+    ProbeResult,
     RequestOutcome,
     cache_cold_prompts,
     head_tokens,
+    probe_attainment,
     quantile,
     run_probe,
     summarize,
 )
+from tunerd.supervise.preflight import run_here
+from tunerd.tune.prober import Prober
 
 MODEL = "/models/qwen3-tiny"
 VLLM_ERROR = {
@@ -231,7 +238,7 @@ def test_signal_names_are_the_catalogs() -> None:
     result = summarize([], run_id=1, seed=1, started="t", seconds=1.0, cfg=cfg())
     names = set(result.signals())
     assert names == {n for n in SIGNAL_NAMES if n.startswith("probe.")} - {"probe.age_s"}
-    expected = ("throughput", "ttft_p50", "ttft_p95", "itl_p50", "itl_p95", "errors")
+    expected = ("throughput", "ttft_p50", "ttft_p95", "itl_p50", "itl_p95", "errors", "attainment")
     assert names == {f"probe.{name}" for name in expected}
 
 
@@ -298,6 +305,36 @@ def test_figures_from_known_chunk_timings(serve: Callable[..., FakeServer]) -> N
     assert (result.prompt_tokens, result.max_tokens, result.concurrency) == (16, 3, 1)
     json.dumps(result.as_dict())  # the journal's record
     assert result.as_dict()["errors"] == []
+
+
+@pytest.mark.parametrize(
+    ("targets", "attainment"),
+    [
+        (Targets(ttft_s=0.3), 0.5),  # ttfts 0.5 and 0.2
+        (Targets(tpot_s=0.16), 0.5),  # per-request times per output token 0.15 and 0.2
+        (Targets(ttft_s=1.0, e2e_s=0.7), 0.5),  # [DONE] 0.8 and 0.6 after the send
+        (Targets(ttft_s=1.0, tpot_s=1.0, e2e_s=1.0), 1.0),
+        (Targets(), None),
+    ],
+)
+def test_each_probe_request_is_judged_against_the_targets(
+    serve: Callable[..., FakeServer], targets: Targets, attainment: float | None
+) -> None:
+    server = serve(lambda body: (200, answer(3)))
+    clock = ScriptClock([0.0, 1.0, 1.5, 1.6, 1.8, 1.8, 1.8, 2.0, 2.2, 2.5, 2.6, 2.6, 2.6, 4.0])
+    result = run_probe(7, server.url, MODEL, cfg(), seed=5, vocab=1024, clock=clock, targets=targets)
+    assert result.attainment == attainment
+    assert result.signals()["probe.attainment"] == attainment
+
+
+def test_a_failed_probe_request_misses_every_target() -> None:
+    outcomes = [
+        RequestOutcome(None, ttft=0.1, itl=0.01, tokens=4, e2e=0.2),
+        RequestOutcome("HTTP 500: boom"),
+        RequestOutcome(None, ttft=0.1, itl=None, tokens=1, e2e=0.1),  # one token: TPOT not judged
+    ]
+    assert probe_attainment(outcomes, Targets(ttft_s=0.5, tpot_s=0.05)) == pytest.approx(2 / 3)
+    assert probe_attainment([], Targets(ttft_s=0.5)) is None
 
 
 def test_requests_sent_as_specified(serve: Callable[..., FakeServer]) -> None:
@@ -495,3 +532,20 @@ def test_probe_line_shows_a_time_per_token_of_a_few_ms() -> None:
     }
     line = probe_line({**figures, "errors": [], "requests": 8})
     assert line == "978.3 tok/s, TTFT p50/p95 129/236 ms, ITL p50/p95 3.7/5.2 ms, 0 errors of 8 requests"
+    line = probe_line({**figures, "errors": [], "requests": 8, "attainment": 0.875})
+    assert line.endswith("0 errors of 8 requests, 87.5% within the targets")
+
+
+def test_the_prober_hands_the_objectives_targets_to_the_probe(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path, {"objective": {"ttft_s": 1.5, "tpot_s": 0.05}, "probe": {"enabled": True}})
+    rig.serve()
+    asked: list[dict[str, Any]] = []
+
+    def measure(run_id: int, base_url: str, model: str, cfg: ProbeConfig, **kwargs: Any) -> ProbeResult:
+        asked.append(kwargs)
+        return summarize([], run_id=run_id, seed=1, started="t", seconds=1.0, cfg=cfg)
+
+    prober = Prober(rig.config, rig.lifecycle, recorder=rig.recorder, submit=run_here, vocab=lambda: 1000,
+                    monotonic=rig.clock, run=measure)  # fmt: skip
+    prober.request("test", lambda result, error: None, remember=False)
+    assert asked and asked[0]["targets"] == Targets(ttft_s=1.5, tpot_s=0.05)

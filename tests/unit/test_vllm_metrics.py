@@ -49,6 +49,7 @@ HISTOGRAMS = {
     "inter_token_latency": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
     "e2e_latency": ("vllm:e2e_request_latency_seconds",),
     "queue_time": ("vllm:request_queue_time_seconds",),
+    "request_tpot": ("vllm:request_time_per_output_token_seconds",),
 }
 
 

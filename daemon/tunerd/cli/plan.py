@@ -16,15 +16,16 @@ import json
 import sys
 from collections.abc import Iterator
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import structlog
 from pydantic import ValidationError
 
-from tunerd.config import Config, ConfigError, default_config_path, load_config
+from tunerd.config import Config, ConfigError, TuningConfig, default_config_path, load_config
 from tunerd.core.machine import MachineFacts
 from tunerd.core.model import ModelInfo, ModelInfoError
-from tunerd.core.params import EngineParams, backend_problems
+from tunerd.core.params import EngineParams, backend_problems, sizing_flag
 from tunerd.observe.machine_facts import probe_machine
 from tunerd.observe.model.directory import load_model_info
 from tunerd.planner.checks import CheckResult, preflight_checks
@@ -69,11 +70,21 @@ def run_plan(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"tunerd plan: cannot read this machine's memory: {exc}", file=sys.stderr)
         return EX_NOT_FEASIBLE
+    # What the daemon would launch: on unified memory always an explicit sizing (core.params.sizing_flag),
+    # and vLLM's defaults for the version its last start reported (state file; unknown: ≤ 0.33).
+    cap = (config.tuning if config is not None else TuningConfig()).unified_max_gpu_memory_utilization
+    params = sizing_flag(params, backend=machine.backend, unified=machine.memory.unified, cap=cap)
     calibration = None
     if config is not None:
         calibration = CalibrationStore(config.paths.state_dir).get(model, params, machine.backend)
     plan = assess(
-        model, params, machine.memory, backend=machine.backend, calibration=calibration, force=args.force
+        model,
+        params,
+        machine.memory,
+        backend=machine.backend,
+        calibration=calibration,
+        force=args.force,
+        version=_known_version(config),
     )
     checks = _checks(plan, machine)
     feasible = plan.feasible and not any(c.verdict == "fail" for c in checks)
@@ -82,6 +93,18 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         print(_text(plan, checks, machine, feasible))
     return EX_OK if feasible else EX_NOT_FEASIBLE
+
+
+def _known_version(config: Config | None) -> str | None:
+    """The vLLM version the daemon's last start reported (its state file, read only), or None."""
+    if config is None:
+        return None
+    try:
+        identity = json.loads(Path(config.paths.state_file).read_text()).get("identity") or {}
+    except (OSError, ValueError, AttributeError):
+        return None
+    version = identity.get("vllm_version") if isinstance(identity, dict) else None
+    return version if isinstance(version, str) else None
 
 
 def _config_for(args: argparse.Namespace) -> Config | None:

@@ -151,6 +151,7 @@ def objective_lines(objective: dict[str, Any]) -> list[str]:
     per = [(t, w.get(f"slo.attainment.{t}")) for t in ("ttft", "tpot", "e2e")]
     if any(v is not None for _, v in per):
         lines.append("  per target: " + ", ".join(f"{t} {_share(v)}" for t, v in per if v is not None))
+    lines += _histogram_lines(objective.get("histograms"))
     if w.get("door.ttft.p95") is not None or w.get("door.tpot.p95") is not None:
         lines.append(
             f"  clients (at the door): TTFT p50/p95 {_seconds(w.get('door.ttft.p50'))}/"
@@ -158,6 +159,28 @@ def objective_lines(objective: dict[str, Any]) -> list[str]:
             f"{_seconds(w.get('door.tpot.p95'))}, door wait p95 {_seconds(w.get('door.wait.p95'))}"
         )
     return lines
+
+
+def _histogram_lines(estimate: Any) -> list[str]:
+    """The attainment vLLM's histograms allow (core/slo_estimate.py): the joint share only between
+    Fréchet bounds, each target's share exact at a bucket edge, else between the edges around it."""
+    if not isinstance(estimate, dict):
+        return []
+    low, high = estimate.get("low"), estimate.get("high")
+    marginals = estimate.get("marginals") or {}
+    if low == high:
+        head = f"  estimated from vLLM's histograms: {_share(low)}"
+    else:
+        head = f"  estimated from vLLM's histograms: between {_share(low)} and {_share(high)}"
+    head += " (marginals only)" if len(marginals) > 1 else ""
+    parts = []
+    for name, m in marginals.items():
+        within = _share(m.get("low")) if m.get("exact") else f"{_share(m.get('low'))}–{_share(m.get('high'))}"
+        parts.append(f"{name} {within}" + ("" if m.get("exact") else " (target inside a bucket)"))
+    missing = estimate.get("missing") or []
+    if missing:
+        parts.append("no histogram data: " + ", ".join(missing))
+    return [head, "    per target: " + ", ".join(parts)] if parts else [head]
 
 
 def _share(value: Any) -> str:
@@ -188,7 +211,8 @@ def _duration(seconds: Any) -> str:
 
 
 def probe_line(figures: dict[str, Any]) -> str:
-    """One probe's figures on a line: tokens/s, TTFT and ITL p50/p95, errors."""
+    """One probe's figures on a line: tokens/s, TTFT and ITL p50/p95, errors, and the share of its
+    requests within the [objective] targets when they are set."""
 
     def ms(key: str, decimals: int = 0) -> str:
         value = figures.get(key)
@@ -196,8 +220,10 @@ def probe_line(figures: dict[str, Any]) -> str:
 
     throughput = figures.get("throughput")
     rate = "?" if throughput is None else f"{throughput:.1f}"
+    attainment = figures.get("attainment")
     return (
         f"{rate} tok/s, TTFT p50/p95 {ms('ttft_p50')}/{ms('ttft_p95')} ms, "
         f"ITL p50/p95 {ms('itl_p50', 1)}/{ms('itl_p95', 1)} ms, {len(figures.get('errors') or [])} errors "
         f"of {figures.get('requests', '?')} requests"
+        + ("" if attainment is None else f", {_share(attainment)} within the targets")
     )

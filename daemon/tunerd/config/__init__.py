@@ -81,6 +81,12 @@ class EngineConfig(_Section):
     numactl: NumactlConfig = Field(default_factory=NumactlConfig)
     # vLLM's per-request (uvicorn) access log: "auto" = off while [door] is on, "on", "off".
     access_log: Literal["auto", "on", "off"] = "auto"
+    # vLLM's per-request metrics (`--enable-per-request-metrics`): "auto" = on while [door] is on and
+    # this vLLM's --help lists the flag, unless extra_args has --disable-log-stats; "off".
+    per_request_metrics: Literal["auto", "off"] = "auto"
+    # `--custom-histogram-buckets` with edges at the [objective] targets: "auto" = where --help lists it
+    # and a target is set; "off".
+    histogram_buckets: Literal["auto", "off"] = "auto"
 
     @field_validator("command")
     @classmethod

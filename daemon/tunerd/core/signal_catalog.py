@@ -107,8 +107,10 @@ SIGNAL_TABLE: tuple[tuple[str, str, str, object, str, str], ...] = (
          f"{'median' if q == 'p50' else '0.95 quantile'} of the window's {text} (exact, per request)")
         for what, text in (("ttft", "client TTFTs, arrival at the door → first byte"),
                            ("tpot", "times per output token after the first"),
-                           ("wait", "waits in the door"))
-        for q in (("p50", "p95") if what != "wait" else ("p95",))
+                           ("wait", "waits in the door"),
+                           ("queue", "waits in vLLM's queue (its per-request metrics; none without them)"),
+                           ("prefill", "vLLM scheduling → first token (its per-request metrics)"))
+        for q in (("p50", "p95") if what in ("ttft", "tpot") else ("p95",))
     ),
     ("memory.used_ratio", "ratio 0..1", "last", "host.mem_used_ratio", _MEM,
      "1 − MemAvailable/MemTotal: host memory in use (on unified memory, the GPU's too)"),
@@ -158,6 +160,8 @@ SIGNAL_TABLE: tuple[tuple[str, str, str, object, str, str], ...] = (
             ("itl_p50", "s", "median over the last probe's requests of their times per output token"),
             ("itl_p95", "s", "0.95 quantile over the last probe's requests of their times per output token"),
             ("errors", "requests", "requests of the last probe that failed"),
+            ("attainment", "ratio 0..1",
+             "share of the last probe's requests that met every [objective] target (failed ones miss)"),
             ("age_s", "s", "seconds since the last probe finished"),
         )
     ),

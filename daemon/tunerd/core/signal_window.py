@@ -55,7 +55,8 @@ _ENGINE_FIELDS = (
     "kv_cache_usage", "requests_running", "requests_waiting", "preemptions_total", "prompt_tokens_total",
     "generation_tokens_total", "prefix_cache_queries_total", "prefix_cache_hits_total",
 )  # fmt: skip
-_ENGINE_HISTOGRAMS = ("ttft", "inter_token_latency", "e2e_latency", "queue_time")  # input "vllm.<field>"
+# Input "vllm.<field>"; request_tpot has no percentile signal (read by `histogram_increase`).
+_ENGINE_HISTOGRAMS = ("ttft", "inter_token_latency", "e2e_latency", "queue_time", "request_tpot")
 _ENGINE_INPUTS = tuple("vllm." + f for f in _ENGINE_FIELDS)
 _HISTOGRAM_INPUTS = tuple("vllm." + f for f in _ENGINE_HISTOGRAMS)
 _engine_fields = attrgetter(*_ENGINE_FIELDS)  # one C call for the eight fields
@@ -281,6 +282,13 @@ class SignalWindow:
         """Per-second increase of a counter (or histogram count) over the window; never negative."""
         inc = self.increase(name)
         return None if inc is None or inc[1] <= 0 else inc[0] / inc[1]
+
+    def histogram_increase(self, name: str) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+        """(bucket edges, per-bucket cumulative increase) of histogram input `name` ("vllm.ttft", …)
+        between the window's first and last poll, resets counted from zero; None with fewer than two
+        polls of it. For estimates at a target (core/slo_estimate.py)."""
+        delta = self._bucket_increase(name)
+        return None if delta is None else (self._hists[name].les, delta[1])  # type: ignore[return-value]
 
     def _bucket_increase(self, name: str) -> tuple[float, tuple[float, ...]] | None:
         """(seconds, per-bucket cumulative increase) between the window's first and last histogram."""

@@ -57,7 +57,12 @@ class RequestSample:
     part of the TTFT (forward → first byte); `ttft_s`: arrival → first byte (None when nothing came);
     `tokens`: output tokens (None: unknown); `tokens_exact`: from vLLM's `usage` (else counted events, an
     undercount when an event carries several tokens); `tpot_s`: None below 2 tokens or when not streamed;
-    `e2e_s`: arrival → the answer's end; `ok`: answered in full (no 5xx, no cut, not refused)."""
+    `e2e_s`: arrival → the answer's end; `ok`: answered in full (no 5xx, no cut, not refused).
+
+    vLLM's own split of the upstream time, from the answer's `metrics` object (`--enable-per-request-
+    metrics`, engine/launch.py; None without it, or for a stream without usage): `queue_s` waiting in
+    vLLM's scheduler, `prefill_s` scheduling → first token (vLLM's `time_to_first_token_ms`, which
+    excludes the queue), `decode_s` mean ITL × (tokens − 1) (exact tokens only)."""
 
     done: float
     wait_s: float
@@ -69,6 +74,9 @@ class RequestSample:
     e2e_s: float
     streamed: bool
     ok: bool
+    queue_s: float | None = None
+    prefill_s: float | None = None
+    decode_s: float | None = None
 
 
 def tpot(first: float, last: float, tokens: int | None) -> float | None:
@@ -135,6 +143,8 @@ class SloStats:
     requests_total: int = 0
     good_total: int = 0
     good_tokens_total: int = 0
+    queue_p95: float | None = None  # vLLM's queue time, of the requests that carried its metrics
+    prefill_p95: float | None = None  # vLLM's scheduling → first token, likewise
 
 
 def quantile(sorted_values: list[float], q: float) -> float | None:
@@ -157,6 +167,8 @@ def window_stats(samples: Iterable[RequestSample], targets: Targets, count: Coun
     ttfts: list[float] = []
     tpots: list[float] = []
     waits: list[float] = []
+    queues: list[float] = []
+    prefills: list[float] = []
     for s in samples:
         n += 1
         verdict = meets(s, targets)
@@ -173,9 +185,15 @@ def window_stats(samples: Iterable[RequestSample], targets: Targets, count: Coun
             if s.tpot_s is not None:
                 tpots.append(s.tpot_s)
         waits.append(s.wait_s)
+        if s.queue_s is not None:
+            queues.append(s.queue_s)
+        if s.prefill_s is not None:
+            prefills.append(s.prefill_s)
     ttfts.sort()
     tpots.sort()
     waits.sort()
+    queues.sort()
+    prefills.sort()
     shares = [hits[i] / judged[i] if judged[i] else None for i in range(3)]
     have_targets = targets.any
     attainment = met / n if n and have_targets else None
@@ -195,6 +213,8 @@ def window_stats(samples: Iterable[RequestSample], targets: Targets, count: Coun
         tpot_p50=quantile(tpots, 0.5),
         tpot_p95=quantile(tpots, 0.95),
         wait_p95=quantile(waits, 0.95),
+        queue_p95=quantile(queues, 0.95),
+        prefill_p95=quantile(prefills, 0.95),
     )
 
 
@@ -271,4 +291,6 @@ def readings(stats: SloStats | None, door_waiting: int | None) -> dict[str, floa
         "slo.requests_total": None if s is None else float(s.requests_total),
         "slo.good_total": None if s is None else float(s.good_total),
         "slo.good_tokens_total": None if s is None else float(s.good_tokens_total),
+        "door.queue.p95": None if s is None else s.queue_p95,
+        "door.prefill.p95": None if s is None else s.prefill_p95,
     }

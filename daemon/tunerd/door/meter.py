@@ -5,6 +5,8 @@ kept apart from the proxy so that the hot path's bookkeeping is one small class 
 
 from __future__ import annotations
 
+import re
+
 from tunerd.core.slo import RequestSample, tpot
 
 
@@ -30,8 +32,10 @@ class Meter:
     def sample(self, arrived: float, done: float) -> RequestSample:
         """What the request measured (see core/slo.py for how each figure counts)."""
         # `usage` ends the answer (a few hundred bytes): at most 8 KiB are copied, once a request.
-        tokens = usage_tokens(self.prev[-4096:] + self.tail[-4096:]) if self.first is not None else None
+        end = self.prev[-4096:] + self.tail[-4096:] if self.first is not None else b""
+        tokens = usage_tokens(end) if end else None
         exact = tokens is not None
+        split = vllm_split(end, tokens) if end else None
         if tokens is None and self.sse and self.first is not None:
             # No `usage` (the client did not ask for stream_options.include_usage): count token events,
             # less `[DONE]` — an estimate, and an undercount when one event carries several tokens.
@@ -49,6 +53,9 @@ class Meter:
             e2e_s=done - arrived,
             streamed=self.sse,
             ok=self.ok,
+            queue_s=split[0] if split else None,
+            prefill_s=split[1] if split else None,
+            decode_s=split[2] if split else None,
         )
 
 
@@ -66,3 +73,38 @@ def usage_tokens(tail: bytes) -> int | None:
     while end < len(digits) and 48 <= digits[end] <= 57:
         end += 1
     return int(digits[:end]) if end else None
+
+
+METRICS_KEY = b'"metrics":'
+_NUMBER = rb"\s*(-?[0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?)"
+_MS = {
+    name: re.compile(b'"' + name.encode() + b'":' + _NUMBER)
+    for name in ("queue_time_ms", "time_to_first_token_ms", "mean_itl_ms")
+}
+
+
+def vllm_split(tail: bytes, tokens: int | None) -> tuple[float | None, float | None, float | None] | None:
+    """(queue, prefill, decode) seconds from the last `metrics` object in `tail` — what vLLM adds to an
+    answer with `--enable-per-request-metrics` (vllm-facts.md: `queue_time_ms`, `time_to_first_token_ms`
+    from scheduling, `generation_time_ms`, `mean_itl_ms`; streamed, on the final usage chunk only). None
+    when the tail has no `metrics` object. Decode = mean ITL × (tokens − 1), only with `tokens` from
+    `usage` (None below 2 tokens); `generation_time_ms` is not used: its span is not documented.
+    """
+    at = tail.rfind(METRICS_KEY)
+    if at < 0:
+        return None
+    body = tail[at + len(METRICS_KEY) :]
+    close = body.find(b"}")
+    body = body[: close if close >= 0 else len(body)]  # the flat object only: no key of a later one
+    found = {name: _ms(pattern, body) for name, pattern in _MS.items()}
+    itl = found["mean_itl_ms"]
+    decode = itl * (tokens - 1) if itl is not None and tokens is not None and tokens >= 2 else None
+    return found["queue_time_ms"], found["time_to_first_token_ms"], decode
+
+
+def _ms(pattern: re.Pattern[bytes], body: bytes) -> float | None:
+    m = pattern.search(body)
+    if m is None:
+        return None
+    value = float(m.group(1)) / 1000.0
+    return value if value >= 0 else None

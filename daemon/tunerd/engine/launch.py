@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from typing import Any
 
 from tunerd.config import Config, EngineConfig
 from tunerd.core.params import EngineParams
+from tunerd.core.slo_estimate import target_buckets
 
 # Variables that tell a process it is the service's main process; vLLM must not see them.
 SYSTEMD_CHILD_ENV_BLOCKLIST = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID")
@@ -105,3 +107,61 @@ def access_log_args(config: Config) -> list[str]:
     if any(arg.split("=", 1)[0].replace("_", "-") in said for arg in config.engine.extra_args):
         return []
     return [ACCESS_LOG_FLAG]
+
+
+PER_REQUEST_METRICS_FLAG = "--enable-per-request-metrics"  # vLLM 0.32+ (PR #46768; vllm-facts.md)
+
+
+def per_request_metrics_args(config: Config, capabilities: dict[str, Any]) -> list[str]:
+    """`--enable-per-request-metrics` where it serves and this vLLM has it (`[engine]
+    per_request_metrics`): vLLM then adds a `metrics` object (queue time, time to first token from
+    scheduling, generation time, mean ITL) to each completion answer, which the door's meter reads to split
+    the upstream time into queue, prefill and decode (door/meter.py).
+
+    "auto" passes it only while the door is on (nothing else reads it), only when `--help` of this very
+    command listed it (`capabilities["flags"]`), and never with `--disable-log-stats` in extra_args: vLLM
+    refuses the two together. Nothing is added when extra_args already says it.
+
+    What clients see: a non-streamed answer carries the extra `metrics` key (additive JSON; OpenAI
+    clients ignore unknown keys). A streamed answer carries it only on its final usage chunk, which exists
+    only when the client asked for `stream_options.include_usage`: tunerd neither injects that option nor
+    passes `--enable-force-include-usage`, so a stream the client did not ask usage for is unchanged — and
+    its split stays unknown (the door still times its TTFT and TPOT itself).
+    """
+    engine = config.engine
+    if engine.per_request_metrics == "off" or not config.door.enabled:
+        return []
+    if capabilities.get("command") != list(engine.command):
+        return []
+    if PER_REQUEST_METRICS_FLAG not in (capabilities.get("flags") or ()):
+        return []
+    said = {arg.split("=", 1)[0].replace("_", "-") for arg in engine.extra_args}
+    if "--disable-log-stats" in said or PER_REQUEST_METRICS_FLAG in said:
+        return []
+    return [PER_REQUEST_METRICS_FLAG]
+
+
+HISTOGRAM_BUCKETS_FLAG = "--custom-histogram-buckets"  # vLLM 0.32+ (vllm-facts.md, "Newer vLLM")
+
+
+def histogram_buckets_args(config: Config, capabilities: dict[str, Any]) -> list[str]:
+    """`--custom-histogram-buckets JSON` with edges at the `[objective]` targets (core/slo_estimate.py
+    `target_buckets`), so that vLLM's histograms tell the share of requests within a target exactly at a
+    bucket edge (`tunerd status`'s estimate without the door) and `itl.p95` is no longer blind below
+    10 ms. Only with a target set, `[engine] histogram_buckets = "auto"`, this command's `--help` listing
+    the flag, and extra_args not saying it already.
+
+    The syntax — one JSON object, family name → list of upper edges, each family replacing its default
+    buckets — is vllm-facts.md's reading of the 0.33/0.34 source; no captured `--help` shows it. A vLLM
+    that rejects the value at parsing ("error: argument --custom-histogram-buckets: …") fails that start
+    once; the correction then leaves the flag out for this command (policy/corrections.py).
+    """
+    engine = config.engine
+    if engine.histogram_buckets == "off" or capabilities.get("command") != list(engine.command):
+        return []
+    if HISTOGRAM_BUCKETS_FLAG not in (capabilities.get("flags") or ()):
+        return []
+    if any(arg.split("=", 1)[0].replace("_", "-") == HISTOGRAM_BUCKETS_FLAG for arg in engine.extra_args):
+        return []
+    buckets = target_buckets(config.objective.targets)
+    return [HISTOGRAM_BUCKETS_FLAG, json.dumps(buckets, separators=(",", ":"))] if buckets else []

@@ -15,6 +15,7 @@ from tunerd.config import Config
 from tunerd.config.objective import in_force
 from tunerd.config.rules import Rule
 from tunerd.core.params import EngineParams
+from tunerd.core.slo_estimate import HistogramEstimate
 from tunerd.policy.rules import RuleState
 from tunerd.supervise.lifecycle import Lifecycle
 from tunerd.tune.tuner import Tuner
@@ -77,9 +78,13 @@ def build_status(
     }
 
 
-def objective_status(config: Config, signals: Mapping[str, float | None]) -> dict[str, Any]:
+def objective_status(
+    config: Config, signals: Mapping[str, float | None], estimate: HistogramEstimate | None = None
+) -> dict[str, Any]:
     """The objective part of the status document: what is configured, what is in force and why, and
-    the window's attainment and goodput beside throughput (`tunerd status`)."""
+    the window's attainment and goodput beside throughput (`tunerd status`). `estimate`: attainment
+    bounds from vLLM's histograms over the window (core/slo_estimate.py), shown as `histograms`
+    (None without targets or requests)."""
     objective = config.objective
     applies = in_force(objective, config.door.enabled)
     attainment = signals.get("slo.attainment")
@@ -94,6 +99,7 @@ def objective_status(config: Config, signals: Mapping[str, float | None]) -> dic
         "attainment_target": objective.attainment,
         "count": objective.count,
         "feasible": feasible,
+        "histograms": None if estimate is None else estimate.as_dict(),
         "window": {
             name: signals.get(name)
             for name in (

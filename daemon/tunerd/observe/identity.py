@@ -22,13 +22,40 @@ from tunerd.observe.model.directory import model_fingerprint
 HELP_TIMEOUT_S = 180.0  # `vllm serve --help` imports vLLM: 10-20 s on a small CPU
 
 
+# Optional flags tunerd passes only where this vLLM's `--help` lists them (engine/launch.py):
+# --enable-per-request-metrics (0.32+, PR #46768; refused with --disable-log-stats),
+# --custom-histogram-buckets (0.32+), --enable-force-include-usage; --disable-log-stats is looked for too.
+OPTIONAL_FLAGS = (
+    "--shutdown-timeout",
+    "--enable-per-request-metrics",
+    "--custom-histogram-buckets",
+    "--enable-force-include-usage",
+)
+
+
 @dataclass(frozen=True)
 class Capabilities:
-    """What the installed vLLM's command line offers (from `--help`, once per command)."""
+    """What the installed vLLM's command line offers (from `--help`, once per command): `flags` are
+    those of OPTIONAL_FLAGS its help text names."""
 
     command: tuple[str, ...]
     shutdown_timeout: bool
     error: str | None = None
+    flags: frozenset[str] = frozenset()
+
+
+def flags_in_help(text: str) -> frozenset[str]:
+    """The OPTIONAL_FLAGS that `--help` output `text` names (whole flags: `--x` is not found in `--x-y`)."""
+    found = set()
+    for flag in OPTIONAL_FLAGS:
+        at = text.find(flag)
+        while at >= 0:
+            end = at + len(flag)
+            if end == len(text) or not (text[end].isalnum() or text[end] in "-_"):
+                found.add(flag)
+                break
+            at = text.find(flag, end)
+    return frozenset(found)
 
 
 @dataclass(frozen=True)
@@ -59,8 +86,12 @@ def probe_capabilities(command: Sequence[str], env: Mapping[str, str]) -> Capabi
     except (OSError, subprocess.TimeoutExpired) as exc:
         return Capabilities(tuple(command), False, f"{type(exc).__name__}: {exc}")
     text = done.stdout + done.stderr
+    flags = flags_in_help(text)
     return Capabilities(
-        tuple(command), "--shutdown-timeout" in text, None if done.returncode == 0 else text[-200:]
+        tuple(command),
+        "--shutdown-timeout" in flags,
+        None if done.returncode == 0 else text[-200:],
+        flags,
     )
 
 

@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 
 from tunerd.config import ProbeConfig
+from tunerd.core.slo import RequestSample, Targets, good
 
 FIRST_TOKEN_ID = 10  # low ids are special tokens (BOS, EOS, padding) in small tokenizers
 SEED_SPACE = 1 << 64  # seeds are taken modulo this
@@ -107,12 +108,13 @@ class RequestOutcome:
     last running count, else the token events counted; `itl`: the request's mean inter-token latency,
     i.e. its time per output token after the first — vLLM's `mean_itl_ms` when the stream carries it,
     else (last token event − first token event) / (the tokens that came after the first event), None
-    when that cannot be timed (fewer than two token events)."""
+    when that cannot be timed (fewer than two token events); `e2e`: `[DONE]` received − request sent."""
 
     error: str | None
     ttft: float | None = None
     itl: float | None = None
     tokens: int = 0
+    e2e: float | None = None
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,10 @@ class ProbeResult:
     prompt_tokens: int
     max_tokens: int
     concurrency: int
+    # The share of the probe's requests that met every [objective] target (None without targets or
+    # requests): each request judged as the door judges one (core/slo.py `good`; the probe's TPOT is its
+    # per-request ITL), a failed one missing every target.
+    attainment: float | None = None
 
     @property
     def no_tokens(self) -> bool:
@@ -154,6 +160,7 @@ class ProbeResult:
             "probe.ttft_p95": self.ttft_p95,
             "probe.itl_p50": self.itl_p50,
             "probe.itl_p95": self.itl_p95,
+            "probe.attainment": self.attainment,
             "probe.errors": float(self.requests - self.ok),
         }
 
@@ -174,9 +181,10 @@ def summarize(
     cfg: ProbeConfig,
     requests: int | None = None,
     errors: Sequence[str] = (),
+    targets: Targets | None = None,
 ) -> ProbeResult:
     """The figures of `outcomes` (pure). `errors` are failures outside the requests (e.g. the probe
-    could not start); `requests` defaults to `cfg.requests`."""
+    could not start); `requests` defaults to `cfg.requests`; `targets` ([objective]) give `attainment`."""
     good = [o for o in outcomes if o.error is None]
     tokens = sum(o.tokens for o in outcomes)
     ttfts = [o.ttft for o in good if o.ttft is not None]
@@ -198,7 +206,23 @@ def summarize(
         prompt_tokens=cfg.prompt_tokens,
         max_tokens=cfg.max_tokens,
         concurrency=cfg.concurrency,
+        attainment=probe_attainment(outcomes, targets),
     )
+
+
+def probe_attainment(outcomes: Sequence[RequestOutcome], targets: Targets | None) -> float | None:
+    """The share of `outcomes` that met every target (pure; None without targets or requests). A request
+    is judged like one through the door (core/slo.py `good`): its TTFT from the send, its TPOT = its
+    per-request ITL (None below two tokens: not judged), its end-to-end time to `[DONE]`; a failed one
+    misses every target set."""
+    if targets is None or not targets.any or not outcomes:
+        return None
+    met = 0
+    for o in outcomes:
+        e2e = o.e2e if o.e2e is not None else math.inf  # answered without [DONE] time: not within e2e_s
+        sample = RequestSample(0.0, 0.0, o.ttft, o.ttft, o.tokens, True, o.itl, e2e, True, o.error is None)
+        met += good(sample, targets)
+    return met / len(outcomes)
 
 
 def run_probe(
@@ -210,6 +234,7 @@ def run_probe(
     seed: int,
     vocab: int,
     clock: Callable[[], float] = time.perf_counter,
+    targets: Targets | None = None,
 ) -> ProbeResult:
     """Run one probe against vLLM at `base_url` serving `model` (its name in the API); never raises.
 
@@ -242,7 +267,10 @@ def run_probe(
         return summarize(
             [], run_id=run_id, seed=seed, started=started, seconds=seconds, cfg=cfg, errors=(reason,)
         )
-    return summarize(outcomes, run_id=run_id, seed=seed, started=started, seconds=clock() - t0, cfg=cfg)
+    seconds = clock() - t0
+    return summarize(
+        outcomes, run_id=run_id, seed=seed, started=started, seconds=seconds, cfg=cfg, targets=targets
+    )
 
 
 async def _probe(
@@ -305,11 +333,12 @@ class _Stream:
         self.server_itl: float | None = None  # vLLM's own mean_itl_ms, in seconds
         self.error: str | None = None
         self.done = False
+        self.ended: float | None = None  # when [DONE] came
 
     def feed(self, payload: str, now: float) -> bool:
         """Take one `data:` payload received at `now`; True at the end of the stream."""
         if payload == "[DONE]":
-            self.done = True
+            self.done, self.ended = True, now
             return True
         try:
             event = json.loads(payload)
@@ -342,6 +371,7 @@ class _Stream:
             ttft=times[0] - self.sent if times else None,
             itl=self.server_itl if self.server_itl is not None else self._itl(tokens),
             tokens=tokens,
+            e2e=None if self.ended is None else self.ended - self.sent,
         )
 
     def _itl(self, tokens: int) -> float | None:

@@ -76,6 +76,7 @@ _HISTOGRAMS: dict[str, tuple[str, ...]] = {
     "inter_token_latency": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
     "e2e_latency": ("vllm:e2e_request_latency_seconds",),
     "queue_time": ("vllm:request_queue_time_seconds",),
+    "request_tpot": ("vllm:request_time_per_output_token_seconds",),  # core/slo_estimate.py
 }
 _CACHE_CONFIG = "vllm:cache_config_info"
 _HISTOGRAM_SUFFIXES = ("_bucket", "_count", "_sum")

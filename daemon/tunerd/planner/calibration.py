@@ -19,10 +19,10 @@ from typing import Any
 
 from tunerd.core.machine import MemoryFacts
 from tunerd.core.model import ModelInfo
-from tunerd.core.params import Backend, EngineParams, default_block_size
+from tunerd.core.params import Backend, EngineParams, vllm_defaults
 from tunerd.core.report import StartReport
 from tunerd.core.units import GiB
-from tunerd.planner.device_memory import DEFAULT_GPU_MEMORY_UTILIZATION, utilization_total
+from tunerd.planner.device_memory import utilization_total
 from tunerd.planner.kv_math import (
     KVEstimateUnavailable,
     KVLayout,
@@ -98,7 +98,9 @@ def calibrate(
     notes: list[str] = []
     if not isinstance(parsed, Calibration):
         parsed = Calibration(**asdict(parsed))
-    block_size = params.block_size or default_block_size(backend, uses_mla=model.uses_mla)
+    # The defaults of the vLLM that started (its log's version line; unknown reads as ≤ 0.33).
+    defaults = vllm_defaults(parsed.vllm_version, backend)
+    block_size = params.block_size or defaults.block_size_for(uses_mla=model.uses_mla)
     try:
         layout = kv_layout(model, params.kv_cache_dtype, block_size)
     except KVEstimateUnavailable as exc:
@@ -106,7 +108,7 @@ def calibrate(
     bpb = layout.bytes_per_block
     max_len = parsed.kv_max_model_len or params.max_model_len or model.max_model_len
     num_blocks, pool_low, pool_high = _kv_pool_from_log(parsed, max_len, layout, backend, notes)
-    util = params.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+    util = params.gpu_memory_utilization or defaults.gpu_memory_utilization
     explicit = params.kv_cache_memory_bytes
     if explicit is not None and num_blocks is not None and num_blocks != explicit // bpb:
         notes.append(

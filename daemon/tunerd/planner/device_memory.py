@@ -10,7 +10,8 @@ from __future__ import annotations
 from tunerd.core.machine import MemoryFacts, MemoryKind
 from tunerd.core.params import Backend
 
-# vLLM's default `gpu_memory_utilization` (vllm 0.32 `CacheConfig`); the CPU backend uses it too.
+# vLLM's default `gpu_memory_utilization` up to 0.33 (`CacheConfig`); the CPU backend uses it too. Per
+# version (0.34 on GPUs: 1.0): `core.params.vllm_defaults`, which the planner reads.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
 
 

@@ -18,11 +18,10 @@ import math
 from dataclasses import dataclass
 
 from tunerd.core.model import ModelInfo
-from tunerd.core.params import Backend, EngineParams, batch_defaults
+from tunerd.core.params import Backend, EngineParams, batch_defaults, vllm_defaults
 from tunerd.core.units import GiB, MiB, gib_text
 from tunerd.planner.calibration import Calibration
 from tunerd.planner.device_memory import (
-    DEFAULT_GPU_MEMORY_UTILIZATION,
     MemoryFacts,
     MemoryKind,
     memory_kind,
@@ -164,9 +163,9 @@ def _kv_budget(
     requested: int | None,
     non_kv: _NonKv,
     physical: int | None,
+    util: float,
 ) -> tuple[int | None, int | None, int | None, str, list[str]]:
-    """(KV bytes, low, high, source, refusals) as vLLM's worker computes the KV memory."""
-    util = params.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+    """(KV bytes, low, high, source, refusals) as vLLM's worker computes the KV memory at `util`."""
     total_bytes, total_source = total
     if params.kv_cache_memory_bytes is not None:
         kv = params.kv_cache_memory_bytes
@@ -203,13 +202,17 @@ def _kv_budget(
 
 
 def _request_refusals(
-    kind: MemoryKind, params: EngineParams, total: int | None, requested: int | None, physical: int | None
+    kind: MemoryKind,
+    params: EngineParams,
+    total: int | None,
+    requested: int | None,
+    physical: int | None,
+    util: float,
 ) -> list[str]:
     """vLLM's start-up checks on the utilization request (`v1/worker/utils.request_memory`, the CPU worker
     constructor). On GPU the check runs even with --kv-cache-memory-bytes; on CPU only without it."""
     if requested is None or physical is None:
         return []
-    util = params.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
     if kind == "cpu" and params.kv_cache_memory_bytes is None and requested > physical:
         return [
             f"node available {gib_text(physical)} is less than {util} × {gib_text(total)} = "
@@ -233,10 +236,13 @@ def memory_budget(
     backend: Backend,
     weights_bytes: int,
     calibration: Calibration | None = None,
+    version: str | None = None,
 ) -> MemoryBudget:
-    """How much memory vLLM would give the KV cache for `params`, mirroring its start-up sizing."""
+    """How much memory vLLM would give the KV cache for `params`, mirroring its start-up sizing. An
+    unset utilization is `version`'s default (`core.params.vllm_defaults`: 0.92 up to 0.33, 1.0 from 0.34
+    on GPUs; an unknown version reads as ≤ 0.33)."""
     kind = memory_kind(backend, facts)
-    util = params.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+    util = params.gpu_memory_utilization or vllm_defaults(version, backend).gpu_memory_utilization
     total, total_source = utilization_total(backend, facts)
     physical, physical_source = _physical(kind, facts)
     # The CPU worker computes the request but only uses it without --kv-cache-memory-bytes.
@@ -244,9 +250,9 @@ def memory_budget(
     requested = None if total is None or cpu_explicit else math.ceil(total * util)
     non_kv = _non_kv(model, params, backend, weights_bytes, total, calibration)
     kv, kv_low, kv_high, source, refusals = _kv_budget(
-        kind, params, (total, total_source), requested, non_kv, physical
+        kind, params, (total, total_source), requested, non_kv, physical, util
     )
-    refusals += _request_refusals(kind, params, total, requested, physical)
+    refusals += _request_refusals(kind, params, total, requested, physical, util)
     return MemoryBudget(
         kind=kind,
         kv_bytes=kv,

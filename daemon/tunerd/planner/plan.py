@@ -122,6 +122,7 @@ def assess(
     backend: Backend,
     calibration: Calibration | None = None,
     force: bool = False,
+    version: str | None = None,
 ) -> PlanVerdict:
     """Answer "does `params` fit, and by how much" without starting vLLM.
 
@@ -131,9 +132,13 @@ def assess(
     concurrency × length, is what the configuration reaches; the latter is reported as `kv_demand_bytes`
     (and as a reason line when the pool cannot hold `max_num_seqs` full-length requests).
     `feasible` also requires that none of vLLM's own start-up checks would fail (`budget.start_refusals`).
+    A flag left unset takes `version`'s default (`core.params.vllm_defaults`; None: not known yet, read as
+    ≤ 0.33).
     """
-    plan = _assess(model, params, memory, backend=backend, calibration=calibration, force=force)
-    return replace(plan, suggested=_suggest(plan, model, memory, backend, calibration))
+    plan = _assess(
+        model, params, memory, backend=backend, calibration=calibration, force=force, version=version
+    )
+    return replace(plan, suggested=_suggest(plan, model, memory, backend, calibration, version))
 
 
 def _input_reasons(model: ModelInfo, params: EngineParams, kind: MemoryKind) -> list[str]:
@@ -263,10 +268,11 @@ def _assess(
     backend: Backend,
     calibration: Calibration | None,
     force: bool,
+    version: str | None = None,
 ) -> PlanVerdict:
     """`assess` without the suggestion (the suggestion re-assesses candidates with this)."""
     kind = memory_kind(backend, memory)
-    block_size = params.block_size or default_block_size(backend, uses_mla=model.uses_mla)
+    block_size = params.block_size or default_block_size(backend, uses_mla=model.uses_mla, version=version)
     max_len = params.max_model_len or model.max_model_len or DEFAULT_MAX_MODEL_LEN_WITHOUT_CONFIG
     weights, weights_source = weights_on_device(model, params, kind, calibration)
     reasons = _input_reasons(model, params, kind)
@@ -278,7 +284,13 @@ def _assess(
         layout, kv_unavailable = None, str(exc)
         reasons.append(f"KV-cache estimate not available: {kv_unavailable}")
     budget = memory_budget(
-        model, params, memory, backend=backend, weights_bytes=weights, calibration=calibration
+        model,
+        params,
+        memory,
+        backend=backend,
+        weights_bytes=weights,
+        calibration=calibration,
+        version=version,
     )
     calibrated = budget.non_kv_source.startswith("calibrated")
     if params.kv_cache_memory_bytes is None and not calibrated:
@@ -354,6 +366,7 @@ def _suggest(
     memory: MemoryFacts,
     backend: Backend,
     calibration: Calibration | None,
+    version: str | None = None,
 ) -> EngineParams | None:
     """A parameter set the planner expects to be feasible, or None when it finds none.
 
@@ -387,10 +400,20 @@ def _suggest(
         candidate = params.replace(**changes)
     except ValueError:
         return None
-    again = _assess(model, candidate, memory, backend=backend, calibration=calibration, force=plan.forced)
+    again = _assess(
+        model, candidate, memory, backend=backend, calibration=calibration, force=plan.forced, version=version
+    )
     if again.largest_max_model_len is not None and again.largest_max_model_len < again.max_model_len:
         if again.largest_max_model_len < again.block_size:
             return None
         candidate = candidate.replace(max_model_len=again.largest_max_model_len)
-        again = _assess(model, candidate, memory, backend=backend, calibration=calibration, force=plan.forced)
+        again = _assess(
+            model,
+            candidate,
+            memory,
+            backend=backend,
+            calibration=calibration,
+            force=plan.forced,
+            version=version,
+        )
     return candidate if again.feasible else None

@@ -18,14 +18,18 @@ import re
 from dataclasses import dataclass
 
 from tunerd.core.failures import EngineFailure, FailureKind
-from tunerd.core.params import TUNABLE_PARAMS, Backend, EngineParams
+from tunerd.core.params import TUNABLE_PARAMS, Backend, EngineParams, vllm_defaults
 from tunerd.core.report import StartReport
 
 UTILIZATION_STEP = 0.05
-DEFAULT_UTILIZATION = 0.92  # vLLM's default gpu_memory_utilization
 MIN_UTILIZATION = 0.05
 MAX_CPU_UTILIZATION = 0.95  # the CPU worker's share of its NUMA node; the rest is the system's
 _UNRECOGNIZED = re.compile(r"unrecognized arguments: (.*)$")
+_BAD_VALUE = re.compile(r"error: argument (--[\w-]+)")
+# Flags tunerd adds on its own where `--help` listed them (engine/launch.py): when vLLM refuses one's
+# value at parsing ("error: argument --custom-histogram-buckets: invalid loads value"), the start goes on
+# without it. An operator's own flags (extra_args) are never dropped for a bad value.
+OPTIONAL_FLAGS = ("--custom-histogram-buckets", "--enable-per-request-metrics")
 _NEGATIVE_KV = re.compile(r"requested memory for kv \(-")
 
 
@@ -55,21 +59,23 @@ def correction(
         return None
     if kind is FailureKind.BAD_ARGUMENTS:
         return _drop_unrecognized(failure, params)
+    # An unset utilization is the default of the vLLM that failed (its log's version; 0.34 on GPUs: 1.0).
+    default = vllm_defaults(report.vllm_version if report else None, backend).gpu_memory_utilization
     if kind is FailureKind.INSUFFICIENT_MEMORY:
         if backend == "cpu" and _NEGATIVE_KV.search(failure.detail):
-            return _larger_share(params)
-        return _free_share(params, report)
+            return _larger_share(params, default)
+        return _free_share(params, report, default)
     if kind is FailureKind.OUT_OF_MEMORY:
-        return _smaller(params)
+        return _smaller(params, default)
     return None
 
 
-def _free_share(params: EngineParams, report: StartReport | None) -> Correction | None:
+def _free_share(params: EngineParams, report: StartReport | None, default: float) -> Correction | None:
     """The utilization the free memory at start allows (vLLM logged free and total), one point below."""
     if report is None or not report.free_at_start_gib or not report.total_at_start_gib:
-        return _smaller(params)
+        return _smaller(params, default)
     share = math.floor((report.free_at_start_gib / report.total_at_start_gib - 0.01) * 100) / 100
-    current = params.gpu_memory_utilization or DEFAULT_UTILIZATION
+    current = params.gpu_memory_utilization or default
     if share < MIN_UTILIZATION or share >= current:
         return None
     return Correction(
@@ -79,9 +85,9 @@ def _free_share(params: EngineParams, report: StartReport | None) -> Correction 
     )
 
 
-def _smaller(params: EngineParams) -> Correction | None:
+def _smaller(params: EngineParams, default: float) -> Correction | None:
     """Out of memory while loading: a step less of the device, and at the floor a shorter context."""
-    current = params.gpu_memory_utilization or DEFAULT_UTILIZATION
+    current = params.gpu_memory_utilization or default
     lower = max(round(current - UTILIZATION_STEP, 2), MIN_UTILIZATION)
     if params.kv_cache_memory_bytes is None and lower < current:
         return Correction(
@@ -97,11 +103,11 @@ def _smaller(params: EngineParams) -> Correction | None:
     return None
 
 
-def _larger_share(params: EngineParams) -> Correction | None:
+def _larger_share(params: EngineParams, default: float) -> Correction | None:
     """CPU backend: the share did not even hold the worker's own memory; more of it, never less."""
     if params.kv_cache_memory_bytes is not None:
         return None
-    current = params.gpu_memory_utilization or DEFAULT_UTILIZATION
+    current = params.gpu_memory_utilization or default
     higher = min(round(current + UTILIZATION_STEP, 2), MAX_CPU_UTILIZATION)
     if higher <= current:
         return None
@@ -113,10 +119,17 @@ def _larger_share(params: EngineParams) -> Correction | None:
 
 
 def _drop_unrecognized(failure: EngineFailure, params: EngineParams) -> Correction | None:
-    """Drop the flags this vLLM does not know (managed parameters are unset; others left out of argv)."""
+    """Drop the flags this vLLM does not know (managed parameters are unset; others left out of argv), or
+    one of tunerd's OPTIONAL_FLAGS whose value it refused."""
     match = _UNRECOGNIZED.search(failure.detail)
     if match is None:
-        return None
+        bad = _BAD_VALUE.search(failure.detail)
+        if bad is None or bad.group(1) not in OPTIONAL_FLAGS:
+            return None
+        flag = bad.group(1)
+        return Correction(
+            params, f"this vLLM refuses tunerd's {flag}: starting without it", drop_flags=(flag,)
+        )
     flags = tuple(word.split("=", 1)[0] for word in match.group(1).split() if word.startswith("--"))
     if not flags:
         return None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 from tunerd.config import Config
 from tunerd.core.machine import MachineFacts
 from tunerd.core.model import ModelInfo, ModelInfoError
-from tunerd.core.params import Backend, EngineParams, backend_problems
+from tunerd.core.params import Backend, EngineParams, backend_problems, sizing_flag
 from tunerd.core.report import StartReport
 from tunerd.observe.machine_facts import probe_machine
 from tunerd.observe.model.directory import load_model_info
@@ -106,8 +107,10 @@ class Capacity:
     cache, the once-only checks and the calibration file are never read half-written.
     """
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, vllm_version: Callable[[], str | None] = lambda: None) -> None:
         self.config = config
+        # The version the last start reported (state file); the planner reads vLLM's defaults for it.
+        self.vllm_version = vllm_version
         self.store = CalibrationStore(config.paths.state_dir)
         self._model: ModelInfo | None = None
         self._model_key: tuple[str, float, str | None] | None = None
@@ -127,6 +130,12 @@ class Capacity:
         if key != self._model_key:
             self._model, self._model_key = load_model_info(path, dtype=dtype), key
         return self._model
+
+    def sized(self, params: EngineParams, machine: MachineFacts) -> EngineParams:
+        """`params` as tunerd launches them on `machine`: on unified memory always with an explicit
+        KV sizing (`core.params.sizing_flag`; the start's command line carries the same value)."""
+        cap = self.config.tuning.unified_max_gpu_memory_utilization
+        return sizing_flag(params, backend=machine.backend, unified=machine.memory.unified, cap=cap)
 
     def check(self, params: EngineParams) -> PlanOutcome:
         """The planner's verdict for `params` (see `_check`), one caller at a time."""
@@ -154,8 +163,16 @@ class Capacity:
             machine = probe_machine("auto", proc=self.config.observe.memory_proc)
         except OSError as exc:
             return PlanOutcome(None, {"planner": f"no plan: {exc}"})
+        params = self.sized(params, machine)
         calibration = self.store.get(model, params, machine.backend)
-        plan = assess(model, params, machine.memory, backend=machine.backend, calibration=calibration)
+        plan = assess(
+            model,
+            params,
+            machine.memory,
+            backend=machine.backend,
+            calibration=calibration,
+            version=self.vllm_version(),
+        )
         figures = summarize(plan)
         if not self._checked:
             self._checked = True
@@ -211,6 +228,7 @@ class Capacity:
                 return None
             if machine is None:
                 machine = probe_machine("auto", proc=self.config.observe.memory_proc)
+            params = self.sized(params, machine)  # what the command line carried
             calibration = calibrate(report, model, params, machine.memory, backend=machine.backend)
             self.store.put(model, params, machine.backend, calibration, now=time.time())
         except (OSError, ModelInfoError, ValueError) as exc:

@@ -54,10 +54,16 @@ class EngineFacts:
         self.dstate.capabilities = {
             "command": list(caps.command),
             "shutdown_timeout": caps.shutdown_timeout,
+            "flags": sorted(caps.flags),  # the optional flags its --help names (observe/identity.py)
             "dropped_flags": before.get("dropped_flags", []) if same else [],  # learnt from a failed start
         }
         self.save_state()
-        self.rec.record("engine.capabilities", shutdown_timeout=caps.shutdown_timeout, error=caps.error)
+        self.rec.record(
+            "engine.capabilities",
+            shutdown_timeout=caps.shutdown_timeout,
+            error=caps.error,
+            flags=sorted(caps.flags),
+        )
 
     def needs_capabilities(self, command: list[str]) -> bool:
         """Whether this engine command has not been asked what it offers yet."""

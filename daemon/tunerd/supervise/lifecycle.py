@@ -83,7 +83,7 @@ class Lifecycle:
         wallclock: Callable[[], datetime],
     ) -> None:
         self._config = config
-        self.capacity = Capacity(config)
+        self.capacity = Capacity(config, lambda: (self.dstate.identity or {}).get("vllm_version"))
         self.rec = recorder
         self.store = store
         self.dstate = dstate

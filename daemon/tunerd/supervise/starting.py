@@ -14,8 +14,15 @@ from datetime import datetime
 from tunerd.config import Config
 from tunerd.core.failures import EngineFailure, FailureKind
 from tunerd.core.machine import GpuFacts
-from tunerd.core.params import EngineParams
-from tunerd.engine.launch import access_log_args, build_argv, build_env, drain_args
+from tunerd.core.params import EngineParams, sizing_flag
+from tunerd.engine.launch import (
+    access_log_args,
+    build_argv,
+    build_env,
+    drain_args,
+    histogram_buckets_args,
+    per_request_metrics_args,
+)
 from tunerd.engine.leftovers import LeftoverReaper
 from tunerd.engine.oscalls import OsCalls
 from tunerd.engine.process import Engine, EngineRun
@@ -126,11 +133,27 @@ class Starter:
         }
         self.save_state()
 
+    def _launched(self, pending: PendingStart) -> EngineParams:
+        """The parameters the command line carries: `pending.params`, on unified memory with an explicit
+        KV sizing (`core.params.sizing_flag`, the same value the plan assessed: `Capacity.sized`). The
+        machine is the plan's; without a plan (planner off) the last poll's GPU facts say whether the
+        memory is unified. The run keeps `pending.params` (what tunerd decided), not this."""
+        plan = pending.preflight.plan if pending.preflight else None
+        machine = plan.machine if plan else None
+        if machine is not None:
+            return self.capacity.sized(pending.params, machine)
+        gpu = self.gpu()
+        unified = bool(gpu is not None and gpu.unified_memory)
+        cap = self.config.tuning.unified_max_gpu_memory_utilization
+        return sizing_flag(pending.params, backend="cuda", unified=unified, cap=cap)
+
     def _spawn(self, pending: PendingStart, now: float) -> StartStep:
         engine_cfg = self.config.engine
         capabilities = self.dstate.capabilities or {}
-        argv = build_argv(engine_cfg, pending.params) + access_log_args(self.config)
+        argv = build_argv(engine_cfg, self._launched(pending)) + access_log_args(self.config)
         argv += drain_args(self.config, capabilities)
+        argv += per_request_metrics_args(self.config, capabilities)
+        argv += histogram_buckets_args(self.config, capabilities)
         if capabilities.get("command") == list(engine_cfg.command) and capabilities.get("dropped_flags"):
             argv = without_flags(argv, capabilities["dropped_flags"])  # this vLLM does not know them
         try:

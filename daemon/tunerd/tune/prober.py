@@ -115,9 +115,11 @@ class Prober:
         self._seeds += 1
         seed, cfg, model = self._seeds, self.config.probe, self.config.engine.model
         vocab_of, run_id, base_url, measure = self.vocab, run.run_id, run.base_url, self.run
+        targets = self.config.objective.targets  # each probe request judged against them: probe.attainment
 
         def probe() -> ProbeResult:  # in a worker: the vocabulary comes from reading the model's config
-            return measure(run_id, base_url, model, cfg, seed=seed, vocab=vocab_of() or DEFAULT_VOCAB)
+            vocab = vocab_of() or DEFAULT_VOCAB
+            return measure(run_id, base_url, model, cfg, seed=seed, vocab=vocab, targets=targets)
 
         future = self.submit(probe)
         self.running = _Running(run_id, reason, future, run.params, callbacks, [reason], remember)
