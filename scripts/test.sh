@@ -28,6 +28,7 @@ echo "==> pytest"
 export TUNERD_REQUIRE_ENGINE=1
 export TUNERD_REQUIRE_SYSTEM=1
 export TUNERD_REQUIRE_PROMTOOL=1  # the alert rules are checked with promtool (fetched if missing)
+export TUNERD_REQUIRE_HELM=1  # the Helm chart is rendered and validated (pyproject's test extra)
 # Two workers (pytest-xdist): the engine tier (real vLLM, ~3/4 of the time) on one, in its own order, the
 # rest beside it; the system tier's container stays on one worker (tests/conftest.py: TierScheduling). The
 # box's two cores are about half idle in a serial run (vLLM's starts and the tiers' waits).
