@@ -144,16 +144,22 @@ class Recall:
         before: WindowStats,
         reason: str,
         verdict: Verdict | None = None,
+        *,
+        old: Value | None = None,
     ) -> None:
         """A rule's trial under the live load of its `before` window: the `verdict`'s value after the
         change when it was kept (a reverted change is not a configuration to return to), with its
-        objective; no verdict when the start failed."""
+        objective; no verdict when the start failed. `old`: the value before the change (the shared
+        memory's "old → new")."""
         value = verdict.after if verdict is not None and decision == "keep" else None
-        figures: dict[str, Any] = {"param": param, "reason": reason}
+        figures: dict[str, Any] = {"param": param, "reason": reason, "old": old}
         goal = None
         if verdict is not None and verdict.objective:
             goal = objective(verdict.objective)
             figures["objective_before"] = verdict.before
+        if verdict is not None:  # the evidence, in brief: what the shared memory shows of the verdict
+            interval = list(verdict.interval) if verdict.interval is not None else None
+            figures["evidence"] = {"interval": interval, "inconclusive": verdict.inconclusive}
         self._record(self.live_key(before), params, value, goal, "live", "trial", decision, figures)
 
     def _record(
