@@ -225,3 +225,25 @@ def test_a_pending_exchange_blocks_nothing(tmp_path: Path) -> None:
     for now in (10.0, 20.0, 30.0):  # the job hangs (the database does not answer): no second one piles up
         fleet.step(now)
     assert len(jobs.queued) == 1
+
+
+def test_memory_show_says_where_each_entry_came_from() -> None:
+    from tunerd.cli.memory import fleet_rows, render_fleet, source
+
+    assert source(entry("a", 8, "revert", 1.0)) == "fleet a"
+    here = Entry(KEY, "probe", {}, 1.0, "measured", {}, 1.0)
+    assert source(here) == "local"
+    assert source(Entry(KEY, "probe", {}, 1.0, "measured", {}, 1.0, origin="b.json")) == "import b.json"
+    rows = fleet_rows((entry("a", 8, "revert", 1.0), entry("b", 12, "keep", 2.0, objective=3.0)))
+    text = render_fleet("postgresql://t:***@db/t", rows, None)
+    assert "from: fleet a 1, fleet b 1" in text
+    assert "kept: max_num_seqs=12  (fleet b)" in text and "bad:  max_num_seqs=8  (a: trial revert" in text
+
+
+def test_the_first_snapshot_is_journaled_even_when_empty(tmp_path: Path) -> None:
+    fleet, _, jobs, journal = rig(tmp_path, FakeStore())
+    fleet.step(0.0)
+    jobs.run_all()
+    fleet.step(1.0)
+    snapshots = [r for r in events(journal) if r["event"] == "memory.fleet_snapshot"]
+    assert [(r["entries"], r["hosts"]) for r in snapshots] == [(0, [])]

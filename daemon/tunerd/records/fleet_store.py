@@ -145,6 +145,16 @@ class FleetStore:
             raise _error(exc, password) from None
         return Exchange(tuple(e.entry_id() for e in entries), snapshot, schema)
 
+    def fetch(self) -> tuple[Entry, ...]:
+        """The other boxes' entries (`tunerd memory show`); nothing written. Raises FleetError."""
+        password = self._password()
+        try:
+            with self._connect(password) as conn:
+                exists = conn.execute("SELECT to_regclass('tunerd_experiments') IS NOT NULL").fetchone()
+                return fetch_others(conn, self.host) if exists and exists[0] else ()
+        except psycopg.Error as exc:
+            raise _error(exc, password) from None
+
     def check(self) -> int:
         """Connect and read the schema's version (0: none yet) — `tunerd check-config`. Raises
         FleetError."""

@@ -174,7 +174,7 @@ class Fleet:
         self._fetching = False
         self._next_sync = float("-inf")
         self._next_fetch = float("-inf")
-        self._hosts: tuple[str, ...] = ()
+        self._hosts: tuple[str, ...] | None = None  # of the last snapshot journaled
 
     @property
     def url(self) -> str | None:

@@ -337,12 +337,21 @@ class Tuner:
             for param, value, why in self.recall.bad_values(before):
                 if (param, value) not in self.memory.tabu():
                     self.memory.add_tabu(param, value, f"tuning memory: {why}")
-        key = self.recall.live_key(before) if self.recall is not None and self.fleet is not None else None
-        if self.fleet is not None:
-            self._fleet_tabu(self.fleet, key)
         proposal = self.proposer.propose(rule, running=before.running_avg)
-        if self.fleet is not None and isinstance(proposal, Proposal):
-            proposal = self._fleet_first(self.fleet, key, proposal)
+        if self.fleet is None or self.recall is None:
+            return proposal
+        # The fleet's best kept value replaces the rule's own step (which may be a value that lost
+        # elsewhere: the step says which way, the fleet how far); then what lost elsewhere is tabu, and a
+        # step that landed on it is proposed again (the proposer says why not, or takes the next).
+        key = self.recall.live_key(before)
+        if isinstance(proposal, Proposal):
+            first = self._fleet_first(self.fleet, key, proposal)
+            if first is not proposal:
+                self._fleet_tabu(self.fleet, key)
+                return first
+        self._fleet_tabu(self.fleet, key)
+        if isinstance(proposal, Proposal) and (proposal.param, proposal.new) in self.memory.tabu():
+            return self.proposer.propose(rule, running=before.running_avg)
         return proposal
 
     def _fleet_tabu(self, fleet: Fleet, key: ExperienceKey | None) -> None:
