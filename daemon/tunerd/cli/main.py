@@ -21,7 +21,7 @@ from tunerd.cli.common import (
     load_all_or_report,
     report_problems,
 )
-from tunerd.config import default_config_path
+from tunerd.config import Config, default_config_path
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -123,6 +123,30 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     print(f"{path}: ok")
     if loaded.rules_path is not None and loaded.rules is not None:
         print(f"{loaded.rules_path}: ok ({len(loaded.rules.rules)} rules)")
+    return _check_fleet(path, loaded.config)
+
+
+def _check_fleet(path: str, config: Config) -> int:
+    """`[memory] url`: connect once. A configuration problem (password, user, database, password file)
+    fails the check; an outage is a warning (the daemon tunes alone until the database is back)."""
+    import socket
+
+    from tunerd.config.memory import redact
+    from tunerd.records.fleet_store import FleetError, FleetStore
+
+    memory = config.memory
+    if memory.url is None:
+        return 0
+    url = redact(memory.url)
+    try:
+        schema = FleetStore(memory, memory.host or socket.gethostname()).check()
+    except FleetError as exc:
+        if exc.config:
+            report_problems([f"{path}: memory.url: {url}: {exc}"])
+            return 1
+        print(f"{path}: memory.url: {url}: unreachable now ({exc}); tunerd tunes alone until it is back")
+        return 0
+    print(f"{url}: ok (schema version {schema or 'none yet: the daemon creates it'})")
     return 0
 
 

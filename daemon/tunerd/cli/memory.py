@@ -4,10 +4,12 @@ The memory is the file `paths.state_dir/experience.json` of the config (`-c`, `$
 /etc/tunerd/tunerd.toml). `show` prints what it knows per model, hardware, vLLM version and workload:
 entries, the best configuration by each objective the entries measured (ranked in that objective's
 direction: the highest throughput, the lowest latency; values of different objectives never compare),
-the values known to be bad; `export FILE` writes it to FILE (`-`:
-stdout) to carry to another box; `import FILE` merges such a file in (no duplicates), beside a running
-daemon too (the file is locked while it changes). Exit status: 0 done; 1 a file could not be read or
-written, or is not a memory of this format version; 78 the config does not load.
+the values known to be bad, where each entry came from (local, an import, a box of the fleet) and,
+with `[memory] url`, the other boxes' entries in the shared database (what they kept, what lost there);
+`export FILE` writes it to FILE (`-`: stdout) to carry to another box; `import FILE` merges such a file
+in (no duplicates), beside a running daemon too (the file is locked while it changes). Exit status: 0
+done; 1 a file could not be read or written, or is not a memory of this format version; 78 the config
+does not load.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from tunerd.config import Config, ConfigError, default_config_path, load_config
+from tunerd.config.memory import redact
 from tunerd.policy.objective import direction_of
 from tunerd.records.experience import (
     MAX_ENTRIES,
@@ -103,7 +106,43 @@ def summary(memory: Experience, objective: str | None = None) -> list[dict[str, 
                 "last": _when(entries[-1].at),
                 "best": bests,
                 "bad_values": [{"param": p, "value": v, "why": why} for p, v, why in memory.bad_values(key)],
+                "from": sources(entries),
             }
+        )
+    return rows
+
+
+def source(entry: Entry) -> str:
+    """Where an entry came from: "local" (measured here), "import FILE", or "fleet HOST"."""
+    if entry.host is not None:
+        return f"fleet {entry.host}"
+    return f"import {entry.origin}" if entry.origin is not None else "local"
+
+
+def sources(entries: list[Entry]) -> dict[str, int]:
+    """How many of `entries` came from where (`source`), in the order first seen."""
+    counts: dict[str, int] = {}
+    for entry in entries:
+        counts[source(entry)] = counts.get(source(entry), 0) + 1
+    return counts
+
+
+def fleet_rows(snapshot: tuple[Entry, ...]) -> list[dict[str, Any]]:
+    """Per key of the other boxes' entries: how many from which host, the values that lost there, the
+    values kept there (what a box takes before its first trial of a parameter: tune/fleet.py)."""
+    from tunerd.tune.fleet import fleet_bad_values
+
+    rows = []
+    for key in dict.fromkeys(e.key for e in snapshot):
+        entries = [e for e in snapshot if e.key == key]
+        kept = [
+            {"param": e.figures["param"], "value": e.params.get(e.figures["param"]), "host": e.host}
+            for e in entries
+            if e.kind == "trial" and e.decision == "keep" and isinstance(e.figures.get("param"), str)
+        ]
+        bad = [{"param": b.param, "value": b.value, "why": b.why} for b in fleet_bad_values(entries, key)]
+        rows.append(
+            {"key": asdict(key), "text": key.text, "from": sources(entries), "kept": kept, "bad_values": bad}
         )
     return rows
 
@@ -131,7 +170,42 @@ def render_summary(path: Path, rows: list[dict[str, Any]]) -> str:
             )
         for bad in row["bad_values"]:
             lines.append(f"  bad:  {bad['param']}={bad['value']}  ({bad['why']})")
+        lines.append(f"  from: {_from(row['from'])}")
     return "\n".join(lines)
+
+
+def render_fleet(url: str | None, rows: list[dict[str, Any]] | None, error: str | None) -> str:
+    """The other boxes' entries (`fleet_rows`), or why they could not be read."""
+    if error is not None:
+        return f"\nfleet {url}: not read ({error})"
+    assert rows is not None
+    lines = ["", f"fleet {url}: {sum(sum(r['from'].values()) for r in rows)} entries of other boxes"]
+    for row in rows:
+        lines += ["", row["text"], f"  from: {_from(row['from'])}"]
+        for kept in row["kept"]:
+            lines.append(f"  kept: {kept['param']}={kept['value']}  (fleet {kept['host']})")
+        for bad in row["bad_values"]:
+            lines.append(f"  bad:  {bad['param']}={bad['value']}  ({bad['why']})")
+    return "\n".join(lines)
+
+
+def _from(counts: dict[str, int]) -> str:
+    return ", ".join(f"{where} {count}" for where, count in counts.items())
+
+
+def read_fleet(config: Config) -> tuple[list[dict[str, Any]] | None, str | None]:
+    """The fleet's rows when `[memory] url` is set: (rows, None), or (None, why not)."""
+    import socket
+
+    from tunerd.records.fleet_store import FleetError, FleetStore
+
+    memory = config.memory
+    assert memory.url is not None
+    try:
+        snapshot = FleetStore(memory, memory.host or socket.gethostname()).fetch()
+    except FleetError as exc:
+        return None, str(exc)
+    return fleet_rows(snapshot), None
 
 
 def cmd_memory_show(args: argparse.Namespace) -> int:
@@ -141,11 +215,18 @@ def cmd_memory_show(args: argparse.Namespace) -> int:
     memory, config = opened
     objective = config.tuning.objective
     rows = summary(memory, objective)
+    fleet, fleet_error, url = None, None, redact(config.memory.url)
+    if config.memory.url is not None:
+        fleet, fleet_error = read_fleet(config)
     if args.json:
         document = {"path": str(memory.path), "objective": objective, "keys": rows}
+        if url is not None:
+            document["fleet"] = {"url": url, "keys": fleet, "error": fleet_error}
         print(json.dumps(document, indent=2, ensure_ascii=False))
     else:
         print(render_summary(memory.path, rows))
+        if url is not None:
+            print(render_fleet(url, fleet, fleet_error))
     return EX_OK if memory.load_error is None else EX_FAILED
 
 

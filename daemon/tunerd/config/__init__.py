@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tunerd.config.door import DoorConfig
+from tunerd.config.memory import MemoryConfig
 from tunerd.config.objective import ObjectiveConfig, resolve_alias
 from tunerd.core.hosts import is_loopback
 from tunerd.core.params import LIVE_PARAMS, TUNABLE_PARAMS, EngineParams
@@ -365,6 +366,7 @@ class Config(_Section):
     cache_reset: CacheResetConfig = Field(default_factory=CacheResetConfig)
     door: DoorConfig = Field(default_factory=DoorConfig)
     objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
     @model_validator(mode="after")

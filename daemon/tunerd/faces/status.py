@@ -143,6 +143,24 @@ def tuning_status(tuner: Tuner, now: float) -> dict[str, Any]:
         "probe": _probe_view(tuner, now),
         "tabu": [e.model_dump() for e in tuner.memory.state.tabu if e.until > wall],
         "rules": [_rule_view(tuner, rule, now) for rule in tuner.rules],
+        "fleet": _fleet_view(tuner),
+    }
+
+
+def _fleet_view(tuner: Tuner) -> dict[str, Any] | None:
+    """The shared tuning memory: its database (password redacted), whether it is reachable, what the
+    snapshot holds, what waits to be sent. None: this box tunes alone."""
+    fleet = tuner.fleet
+    if fleet is None:
+        return None
+    return {
+        "url": fleet.url,
+        "host": fleet.host,
+        "reachable": fleet.unreachable is None,
+        "unreachable": fleet.unreachable,
+        "schema": fleet.schema,
+        "snapshot_entries": len(fleet.snapshot),
+        "unsent": len(fleet.unsent()),
     }
 
 

@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import math
 import os
+import uuid
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -125,7 +127,9 @@ class Entry:
     `objective_source` ("live" or "probe"; None: not recorded, an entry of an older tunerd);
     `figures["param"]`, for a trial or exploration point, names the parameter it changed; `unverified`:
     why it no longer counts as truth (None: it does); `origin`: the file it was imported from (None:
-    measured here)."""
+    measured here); `id`: unique, given when recorded (the shared memory's key, tune/fleet.py; an
+    entry of an older tunerd has none: `entry_id` derives one); `host`: the box of the fleet that
+    measured it (None: this one)."""
 
     key: ExperienceKey
     kind: str
@@ -139,6 +143,8 @@ class Entry:
     objective_name: str | None = None
     objective_unit: str | None = None
     objective_source: str | None = None
+    id: str | None = None
+    host: str | None = None
 
     @property
     def verified(self) -> bool:
@@ -147,6 +153,10 @@ class Entry:
     def identity(self) -> str:
         """What makes two entries the same (imports skip duplicates): everything but the flags."""
         return _dumps([self.key.text, self.kind, self.params, self.objective, self.decision, self.at])
+
+    def entry_id(self) -> str:
+        """`id`, else one derived from `identity` (stable: the same entry gets the same id anywhere)."""
+        return self.id or hashlib.sha256(self.identity().encode()).hexdigest()[:32]
 
     def as_dict(self) -> dict[str, Any]:
         """The entry as the file holds it (`unverified` and `origin` only when set)."""
@@ -172,6 +182,8 @@ class Entry:
             objective_name=_text(raw, "objective_name"),
             objective_unit=_text(raw, "objective_unit"),
             objective_source=_text(raw, "objective_source"),
+            id=_text(raw, "id"),
+            host=_text(raw, "host"),
         )
         if entry.kind not in KINDS:
             raise ValueError(f"kind {entry.kind!r} is not one of {', '.join(KINDS)}")
@@ -355,6 +367,7 @@ class Experience:
             objective_name=objective_name,
             objective_unit=objective_unit,
             objective_source=objective_source,
+            id=uuid.uuid4().hex,
         )
         self._pending.append(_named(entry))
         return self._update(lambda entries: entries)

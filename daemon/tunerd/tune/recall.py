@@ -144,14 +144,16 @@ class Recall:
         before: WindowStats,
         reason: str,
         verdict: Verdict | None = None,
+        *,
+        old: Value | None = None,
     ) -> None:
         """A rule's trial under the live load of its `before` window: the `verdict`'s value after the
         change when it was kept (a reverted change is not a configuration to return to), with the
         objective it compared (`Verdict.goal`: goodput's unit is what it counted) and both windows'
         service levels where there are targets (`goodput_unit` names their goodput's); no verdict when
-        the start failed."""
+        the start failed. `old`: the value before the change (the shared memory's "old → new")."""
         value = verdict.after if verdict is not None and decision == "keep" else None
-        figures: dict[str, Any] = {"param": param, "reason": reason}
+        figures: dict[str, Any] = {"param": param, "reason": reason, "old": old}
         goal = None
         if verdict is not None:
             if verdict.goal is not None or verdict.objective:
@@ -161,6 +163,9 @@ class Recall:
                 figures.update(verdict.service)
             if verdict.objective_reason:
                 figures["objective_reason"] = verdict.objective_reason
+        if verdict is not None:  # the evidence, in brief: what the shared memory shows of the verdict
+            interval = list(verdict.interval) if verdict.interval is not None else None
+            figures["evidence"] = {"interval": interval, "inconclusive": verdict.inconclusive}
         self._record(self.live_key(before), params, value, goal, "live", "trial", decision, figures)
 
     def _record(

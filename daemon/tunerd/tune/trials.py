@@ -187,7 +187,7 @@ class Trial:
         if self.ctx.recall is not None:
             p = self.proposal
             self.ctx.recall.trial(
-                p.params, p.param, "failed", self.before, f"its start failed: {failure.kind}"
+                p.params, p.param, "failed", self.before, f"its start failed: {failure.kind}", old=p.old
             )
         self._count("failed")
 
@@ -261,7 +261,9 @@ class Trial:
         log.info("trial.decided", **self.describe(), decision=decision, reason=verdict.reason)
         p = self.proposal
         if ctx.recall is not None:
-            ctx.recall.trial(p.params, p.param, verdict.decision, self.before, verdict.reason, verdict)
+            ctx.recall.trial(
+                p.params, p.param, verdict.decision, self.before, verdict.reason, verdict, old=p.old
+            )
         if verdict.decision == "keep":
             self._kept(after)
         else:

@@ -44,6 +44,7 @@ from tunerd.policy.fired import Act, Alert, Defer, Facts, Mute, decide
 from tunerd.policy.gates import window_open
 from tunerd.policy.rules import RuleState, TermValue, evaluate
 from tunerd.policy.tunables import NoProposal, Proposal
+from tunerd.records.experience import ExperienceKey
 from tunerd.records.metrics import Metrics
 from tunerd.records.recorder import Recorder
 from tunerd.records.state import DaemonState
@@ -52,6 +53,7 @@ from tunerd.supervise.change import ChangeEvent
 from tunerd.supervise.lifecycle import Lifecycle
 from tunerd.tune.explore_triggers import ExploreTriggers
 from tunerd.tune.explorer import Explorer
+from tunerd.tune.fleet import Fleet, with_value
 from tunerd.tune.memory import TuningMemory
 from tunerd.tune.prober import Prober
 from tunerd.tune.proposer import Proposer
@@ -78,6 +80,7 @@ class Tuner:
         wallclock: Callable[[], datetime],
         prober: Prober | None = None,
         recall: Recall | None = None,
+        fleet: Fleet | None = None,
         knobs: LiveKnobs | None = None,
         restart_wait: Callable[[], str | None] | None = None,
     ) -> None:
@@ -103,6 +106,7 @@ class Tuner:
         )
         self.prober = prober
         self.recall = recall
+        self.fleet = fleet  # the shared tuning memory ([memory] url), None: this box alone
         self.knobs = knobs
         self.proposer = Proposer(lifecycle, self.memory, knobs, lambda: self.config, restart_wait)
         self._trial_ctx = TrialContext(
@@ -334,7 +338,54 @@ class Tuner:
             for param, value, why in self.recall.bad_values(before):
                 if (param, value) not in self.memory.tabu():
                     self.memory.add_tabu(param, value, f"tuning memory: {why}")
-        return self.proposer.propose(rule, running=before.running_avg)
+        proposal = self.proposer.propose(rule, running=before.running_avg)
+        if self.fleet is None or self.recall is None:
+            return proposal
+        # The fleet's best kept value replaces the rule's own step (which may be a value that lost
+        # elsewhere: the step says which way, the fleet how far); then what lost elsewhere is tabu, and a
+        # step that landed on it is proposed again (the proposer says why not, or takes the next).
+        key = self.recall.live_key(before)
+        if isinstance(proposal, Proposal):
+            first = self._fleet_first(self.fleet, key, proposal)
+            if first is not proposal:
+                self._fleet_tabu(self.fleet, key)
+                return first
+        self._fleet_tabu(self.fleet, key)
+        if isinstance(proposal, Proposal) and (proposal.param, proposal.new) in self.memory.tabu():
+            return self.proposer.propose(rule, running=before.running_avg)
+        return proposal
+
+    def _fleet_tabu(self, fleet: Fleet, key: ExperienceKey | None) -> None:
+        """The values that lost on other boxes under this trial's key join the tabu list (journaled)."""
+        taken = []
+        for bad in fleet.bad_values(key):
+            if (bad.param, bad.value) not in self.memory.tabu():
+                self.memory.add_tabu(bad.param, bad.value, f"fleet: {bad.why}")
+                taken.append({"param": bad.param, "value": bad.value, "host": bad.host, "why": bad.why})
+        if taken:
+            self.rec.record("memory.from_fleet", taken="tabu", values=taken, key=str(key))
+
+    def _fleet_first(self, fleet: Fleet, key: ExperienceKey | None, proposal: Proposal) -> Proposal:
+        """The best value another box kept for this parameter, tried first (and verified here)."""
+        found = fleet.first(key, proposal, self.memory.tabu())
+        if found is None:
+            return proposal
+        changed = with_value(proposal, found.value, f"fleet: {found.why}")
+        if changed is None:
+            return proposal
+        self.rec.record(
+            "memory.from_fleet",
+            taken="first proposal",
+            param=proposal.param,
+            old=proposal.old,
+            new=found.value,
+            instead_of=proposal.new,
+            host=found.host,
+            objective=found.objective,
+            objective_name=found.objective_name,
+            key=str(key),
+        )
+        return changed
 
     def _act(self, rule: Rule, decision: Act, now: float) -> None:
         """Run the decided proposal as a trial (in dry-run: journal it only)."""
@@ -361,6 +412,8 @@ class Tuner:
 
     def step(self, now: float) -> None:
         """Drive the trial or the exploration in progress (every loop tick)."""
+        if self.fleet is not None:
+            self.fleet.step(now)
         if self.explorer is not None and self.triggers is not None:
             self.explorer.step(now)
             run = self.life.engine.run
