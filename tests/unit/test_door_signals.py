@@ -177,6 +177,8 @@ def test_the_doors_requests_become_attainment_goodput_and_client_percentiles(sup
     assert registry.get_sample_value("tunerd_slo_target_seconds", {"target": "tpot"}) == 0.05
     assert registry.get_sample_value("tunerd_slo_goodput") == pytest.approx(s["slo.goodput"])
     assert registry.get_sample_value("tunerd_slo_attainment_objective_ratio") == 0.95
+    counted = ("tunerd_slo_requests_total", "tunerd_slo_good_requests_total")
+    assert [registry.get_sample_value(name) for name in counted] == [4.0, 2.0]
 
     assert supervisor.lifecycle is not None
     supervisor.lifecycle.engine.run = None  # the status of a daemon between runs: the window stays
@@ -189,6 +191,10 @@ def test_the_doors_requests_become_attainment_goodput_and_client_percentiles(sup
     assert "objective: goodput; targets ttft ≤ 1 s, tpot ≤ 50 ms, attainment ≥ 95%" in page
     assert "attainment 50.0% (NOT feasible), goodput 0.199" in page and "req/s" in page
     assert "per target: ttft 75.0%, tpot 75.0%" in page
+    supervisor._handle(DoorRequests((request(now + 0.5, ttft=0.1, tpot=0.01),)))
+    poll(supervisor, now + 1, waiting_in_vllm=0.0, queued_in_door=0)  # the next poll: counted once more
+    poll(supervisor, now + 2, waiting_in_vllm=0.0, queued_in_door=0)
+    assert [registry.get_sample_value(name) for name in counted] == [5.0, 3.0]
 
 
 def test_status_says_why_throughput_is_in_force_without_targets() -> None:

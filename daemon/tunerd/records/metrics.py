@@ -124,6 +124,19 @@ class Metrics:
             ["target"],
             registry=r,
         )
+        # Counters too, for what Prometheus does with service levels: attainment over any range, burn
+        # rates (increase(good) / increase(requests)), independent of tunerd's own window.
+        self.slo_requests = Counter(
+            "tunerd_slo_requests",
+            "Requests the door answered (or failed) and judged against the [objective] targets in force",
+            registry=r,
+        )
+        self.slo_good = Counter(
+            "tunerd_slo_good_requests",
+            "Of tunerd_slo_requests_total, those that met every [objective] target in force",
+            registry=r,
+        )
+        self._slo_counted = (0, 0)
         self.slo_attainment_objective = Gauge(
             "tunerd_slo_attainment_objective_ratio",
             "The attainment a configuration must reach to be feasible ([objective] attainment)",
@@ -163,6 +176,13 @@ class Metrics:
             self.slo_target_attainment.labels(target=name).set(value(share))
             self.slo_target.labels(target=name).set(nan if target is None else target)
         self.slo_attainment_objective.set(attainment)
+        counted, good = stats.requests_total, stats.good_total
+        before, before_good = self._slo_counted
+        if counted < before:  # a new window (its counters start at 0): everything it holds is new
+            before = before_good = 0
+        self.slo_requests.inc(counted - before)
+        self.slo_good.inc(max(0, good - before_good))
+        self._slo_counted = (counted, good)
 
     def set_signals(self, values: Mapping[str, float | None], units: Mapping[str, str]) -> None:
         """One gauge per signal; a signal without a value is NaN (unknown), never 0."""
