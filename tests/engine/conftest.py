@@ -35,12 +35,7 @@ KV_PRESSURE_PARAMS = {
 
 
 # The modules that share `tiny_daemon`, in the order they use it.
-TINY_DAEMON_MODULES = (
-    "test_real_vllm_goodput.py",  # first: it needs the start's max_num_seqs (16), which later users change
-    "test_real_vllm_lifecycle.py",
-    "test_real_vllm_door.py",
-    "test_real_vllm_probe.py",
-)
+TINY_DAEMON_MODULES = ("test_real_vllm_lifecycle.py", "test_real_vllm_door.py", "test_real_vllm_probe.py")
 
 
 def _engine_order(item: pytest.Item) -> tuple[int, int]:
