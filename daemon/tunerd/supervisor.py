@@ -197,7 +197,6 @@ class Supervisor:
             prober=self.prober,
             recall=recall,
             fleet=fleet,
-            knobs=self.door_link,
             restart_wait=self.door_link.restart_wait if self.door_link is not None else None,
         )
         cache_reset = self.cache_reset

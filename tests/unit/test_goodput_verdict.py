@@ -13,8 +13,9 @@ from typing import Any, Literal
 import pytest
 
 from tests.unit.fakes import Rig, fixed_wall, make_rig
-from tests.unit.test_live_trials import CAP, DOOR_FIRST, FakeKnobs
+from tests.unit.test_change_slot import serve_again
 from tests.unit.test_trial_verdict import points
+from tests.unit.test_tuner import KV_RULE
 from tunerd.cli.memory import summary
 from tunerd.config import TuningConfig
 from tunerd.config.objective import ObjectiveConfig
@@ -25,7 +26,9 @@ from tunerd.policy.objective import Goodput
 from tunerd.policy.tunables import Proposal
 from tunerd.policy.verdict import Verdict, judge
 from tunerd.records.experience import Experience, ExperienceKey, experience_path, workload_key
+from tunerd.supervise.capacity import PlanOutcome
 from tunerd.supervise.preflight import run_here
+from tunerd.tune.experiment import Phase
 from tunerd.tune.memory import TuningMemory
 from tunerd.tune.recall import Recall
 from tunerd.tune.trials import Trial, TrialContext
@@ -210,16 +213,17 @@ def test_goodput_interval_is_the_bootstrap_of_per_poll_goodput() -> None:
 # -- through tune/trials: what trial.decided journals ---------------------------------------------------
 
 
-def live_trial(
+def judged_trial(
     tmp_path: Path, after: WindowStats, objective: dict[str, Any], experience: Experience | None = None
 ) -> Rig:
-    """A live trial of the door's cap (no restart) whose after window is `after`, judged to its end
-    (written into `experience` when given)."""
+    """A rule's trial of max_num_seqs 32 → 16 (a restart, the door on) whose after window is `after`,
+    judged to its end — a revert's restart served — (written into `experience` when given)."""
     rig = make_rig(
         tmp_path,
-        {"door": {"enabled": True, "port": 0, "max_in_flight": 32}, "objective": objective,
-         "tuning": {"warmup_s": 5.0, "window_s": 30.0, "max_extend_s": 20.0}},
+        {"door": {"enabled": True, "port": 0}, "engine": {"params": {"max_num_seqs": 32}},
+         "objective": objective, "tuning": {"warmup_s": 5.0, "window_s": 30.0, "max_extend_s": 20.0}},
     )  # fmt: skip
+    rig.lifecycle.capacity.check = lambda params: PlanOutcome(None, {"band": "fine"})  # type: ignore[method-assign]
     rig.serve()
     memory = TuningMemory(
         rig.dstate.tuning, lambda: rig.config.tuning, recorder=rig.recorder,
@@ -236,16 +240,21 @@ def live_trial(
     ctx = TrialContext(
         config=lambda: rig.config, lifecycle=rig.lifecycle, recorder=rig.recorder, memory=memory,
         metrics=rig.metrics, submit=run_here, window=lambda start, end: after,
-        rule_values=lambda end, not_before: dict(eased), on_kept=lambda why: None, knobs=FakeKnobs(),
-        recall=recall,
+        rule_values=lambda end, not_before: dict(eased), on_kept=lambda why: None, recall=recall,
     )  # fmt: skip
-    rule = parse_rules({"rule": [DOOR_FIRST]}).rules[0]
-    proposal = Proposal(CAP, 32, 16, rig.lifecycle.params, live=True)
+    rule = parse_rules({"rule": [KV_RULE]}).rules[0]
+    proposal = Proposal("max_num_seqs", 32, 16, rig.lifecycle.params.replace(max_num_seqs=16))
     trial = Trial(ctx, 1, rule, proposal, window(attainment=0.97), dict(pressure))
-    now = rig.now
-    trial.start(now)
-    trial.experiment.step(now + 5.0)  # the warm-up ends: the after window opens
-    trial.experiment.step(now + 35.0)  # the after window is whole: the verdict
+    rig.on_change = trial.experiment.on_change  # the loop delivers the change's outcome to the trial
+    trial.start(rig.now)
+    trial.experiment.step(rig.now)  # the planner's answer (here at once): the restart is requested
+    serve_again(rig)  # the change serves: the warm-up
+    assert trial.experiment.phase is Phase.WARMUP
+    served = rig.now
+    trial.experiment.step(served + 5.0)  # the warm-up ends: the after window opens
+    trial.experiment.step(served + 36.0)  # the after window (30 s) is whole: the verdict
+    if not trial.over:  # reverted: over once the parameters before serve again
+        serve_again(rig)
     assert trial.over
     return rig
 
@@ -253,7 +262,7 @@ def live_trial(
 def test_trial_decided_carries_the_objective_both_windows_service_levels_and_the_interval(
     tmp_path: Path,
 ) -> None:
-    rig = live_trial(tmp_path, window(rate=2.0, attainment=0.90), {"ttft_s": 1.0})
+    rig = judged_trial(tmp_path, window(rate=2.0, attainment=0.90), {"ttft_s": 1.0})
     decided = rig.last("trial.decided")
     assert decided["decision"] == "reverted" and "no longer feasible" in decided["reason"]
     assert (decided["objective"], decided["objective_unit"]) == ("slo.goodput", "req/s")
@@ -270,7 +279,7 @@ def test_trial_decided_carries_the_objective_both_windows_service_levels_and_the
 
 
 def test_trial_decided_says_why_goodput_configured_is_not_what_was_compared(tmp_path: Path) -> None:
-    rig = live_trial(tmp_path, window(rate=2.0, attainment=0.90), {})  # goodput by default, no targets
+    rig = judged_trial(tmp_path, window(rate=2.0, attainment=0.90), {})  # goodput by default, no targets
     decided = rig.last("trial.decided")
     assert decided["objective"] == "throughput.generation" and decided["decision"] == "kept"
     assert decided["objective_reason"].startswith("goodput has no targets")
@@ -283,7 +292,7 @@ def test_trial_decided_says_why_goodput_configured_is_not_what_was_compared(tmp_
 def test_a_kept_goodput_trial_is_remembered_with_the_unit_of_what_it_counted(tmp_path: Path) -> None:
     experience = Experience(experience_path(tmp_path / "state"))
     objective = {"ttft_s": 1.0, "count": "tokens"}
-    rig = live_trial(tmp_path, window(attainment=0.99), objective, experience)
+    rig = judged_trial(tmp_path, window(attainment=0.99), objective, experience)
     assert rig.last("trial.decided")["decision"] == "kept"
     (entry,) = experience.entries()
     assert (entry.kind, entry.objective_name, entry.objective_unit) == ("trial", "slo.goodput", "tok/s")

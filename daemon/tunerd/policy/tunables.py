@@ -72,15 +72,13 @@ REGISTRY: dict[str, Tunable] = {
 
 @dataclass(frozen=True)
 class Proposal:
-    """One change: `param` from `old` to `new`; `params` is the whole set with it applied. `live` (a knob
-    changed on the running daemon, no restart) is no longer proposed: the door steers its cap itself."""
+    """One change: `param` from `old` to `new`; `params` is the whole set with it applied (a restart's)."""
 
     param: str
     old: Value | None
     new: Value
     params: EngineParams
     notes: tuple[str, ...] = ()
-    live: bool = False
 
 
 @dataclass(frozen=True)

@@ -122,17 +122,6 @@ class DoorLink:
             "restart knobs wait until it meets them or cannot"
         )
 
-    # -- the tuner's live knob (tune/tuner.py: LiveKnobs) ----------------------------------------
-
-    def value(self, name: str) -> int | None:
-        """The cap in force (pinned, or the steered value the door last published)."""
-        assert name == "door.max_in_flight", name
-        return self.max_in_flight if self.pinned else self.door.limit_state().limit
-
-    def set(self, name: str, value: object, why: str) -> None:
-        assert name == "door.max_in_flight" and (value is None or isinstance(value, int)), (name, value)
-        self.set_max_in_flight(value, why)
-
     def set_model_dir(self, model: str) -> None:
         if Path(model).is_dir():  # a repo id has no local tokenizer: prompt lengths are left to vLLM
             self.door.set_model_dir(model)

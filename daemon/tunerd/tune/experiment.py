@@ -2,7 +2,7 @@
 (tune/explorer.py): its phases as one state machine with a transition table, checked like the engine's
 (core/states.py), and the `Experiment` that runs them.
 
-    planning → applying (restart or live) → warm-up → measuring → decided → (reverting)
+    planning → applying (a restart) → warm-up → measuring → decided → (reverting)
 
 `Experiment` owns the mechanics every experiment shares: the phase (every assignment through `check`),
 the planner's verdict before a restart (a refusal costs no restart; an accepted plan travels with the
@@ -23,9 +23,9 @@ or failed, a trial judged), before the change is kept, reverted or the next poin
 "what follows a verdict" one row of the table.
 
 The integer values of a trial's phases are exported as `tunerd_trial_phase` and keep the numbers they
-had (0 none, 1 planning, 2 applying — "restarting" before a live knob's trial applied without one —,
-3 warm-up, 4 measuring — "evaluating" before —, 5 reverting); `DECIDED` is set and left within one
-step, so the gauge never holds 6. The exploration's phases are shown by name (`tunerd status`).
+had (0 none, 1 planning, 2 applying — "restarting" before —, 3 warm-up, 4 measuring — "evaluating"
+before —, 5 reverting); `DECIDED` is set and left within one step, so the gauge never holds 6. The
+exploration's phases are shown by name (`tunerd status`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class Phase(IntEnum):
 
     NONE = 0  # no experiment
     PLANNING = 1  # the planner is asked whether the change fits (a refusal costs no restart)
-    APPLYING = 2  # intent journaled; vLLM restarting with the change (a live knob: set at once)
+    APPLYING = 2  # intent journaled; vLLM restarting with the change
     WARMUP = 3  # serving; the first seconds are skipped (compile and cache warm-up)
     MEASURING = 4  # the after window (a trial), the probe of the point (an exploration)
     REVERTING = 5  # the change lost or its start failed: vLLM restarting with the parameters before
@@ -70,7 +70,7 @@ TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     Phase.APPLYING: frozenset({Phase.WARMUP, Phase.REVERTING, Phase.NONE}),
     Phase.WARMUP: frozenset({Phase.MEASURING, Phase.REVERTING, Phase.NONE}),
     Phase.MEASURING: frozenset({Phase.DECIDED, Phase.REVERTING, Phase.NONE}),
-    # → PLANNING | FINISHING: an exploration's next point, or its best; → NONE: kept (or reverted live).
+    # → PLANNING | FINISHING: an exploration's next point, or its best; → NONE: kept (or refused).
     Phase.DECIDED: frozenset({Phase.PLANNING, Phase.FINISHING, Phase.REVERTING, Phase.NONE}),
     # An exploration goes on after a failed point's revert; a trial's revert ends it.
     Phase.REVERTING: frozenset({Phase.PLANNING, Phase.FINISHING, Phase.NONE}),
@@ -218,14 +218,6 @@ class Experiment:
         self.enter(phase, now)
         return True
 
-    def apply_live(self, change: Callable[[], None], now: float) -> None:
-        """A live knob's change: applied at once, then the warm-up. Its planning asks nothing (no restart,
-        nothing for the planner to refuse) and passes in the same step."""
-        self.enter(Phase.PLANNING, now)
-        self.enter(Phase.APPLYING, now)
-        change()
-        self.enter(Phase.WARMUP, now)
-
     def _restarted(self) -> None:
         self.restarts += 1
         self.count_restart()
@@ -257,7 +249,7 @@ class Experiment:
 
     def keep(self, reason: str, *, promote: bool = True) -> bool:
         """Keep the change in flight: its parameters stay in force (and, with `promote`, become
-        last-known-good). False when none is in flight (a live knob's)."""
+        last-known-good). False when none is in flight."""
         if self.change_id is None:
             return False
         kept = self.life.slot.end(self.change_id, keep=True, reason=reason, promote=promote)

@@ -138,7 +138,7 @@ def fleet_first(
 def with_value(proposal: Proposal, value: Any, note: str) -> Proposal | None:
     """`proposal` with its new value `value`; None when the configuration would not validate."""
     try:
-        params = proposal.params if proposal.live else proposal.params.replace(**{proposal.param: value})
+        params = proposal.params.replace(**{proposal.param: value})
     except ValueError:
         return None
     return replace(proposal, new=value, params=params, notes=(*proposal.notes, note))

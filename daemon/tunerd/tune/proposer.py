@@ -19,7 +19,6 @@ from tunerd.core.params import LIVE_PARAMS, EngineParams
 from tunerd.policy.tunables import NoProposal, Proposal, propose
 from tunerd.supervise.lifecycle import Lifecycle
 from tunerd.tune.memory import TuningMemory
-from tunerd.tune.trials import LiveKnobs
 
 DOOR_OWN = (
     "the door's own cap: steered live toward the [objective] targets or pinned by the operator "
@@ -32,13 +31,11 @@ class Proposer:
         self,
         lifecycle: Lifecycle,
         memory: TuningMemory,
-        knobs: LiveKnobs | None,
         config: Callable[[], Config],
         restart_wait: Callable[[], str | None] | None = None,
     ) -> None:
         self.life = lifecycle
         self.memory = memory
-        self.knobs = knobs
         self._config = config
         self.restart_wait = restart_wait
 

@@ -2,8 +2,7 @@
 
 A `Trial` is the `Subject` of its `Experiment` (tune/experiment.py), which runs the phases and the
 change (the planner, the request, the warm-up, the outcomes, keep or revert). The trial says what to
-apply — the proposal, by a restart or a live knob (the front door's in-flight cap: no planner, no
-restart, a revert that is one call) —, measures the *after* window, of the before window's length, of
+apply — the proposal, by a restart —, measures the *after* window, of the before window's length, of
 the change's run only, and judges it by the objective in force (policy/verdict.py: goodput with its
 targets and the door, else throughput, `objective_reason` saying why): kept (the parameters become
 last-known-good and the new baseline) or reverted (the value goes tabu; a rule that keeps losing is
@@ -18,7 +17,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import structlog
 
@@ -28,7 +27,7 @@ from tunerd.core.failures import EngineFailure
 from tunerd.engine.process import EngineRun
 from tunerd.policy.evidence import Point, WindowStats
 from tunerd.policy.rules import TermValue, eased, term_value
-from tunerd.policy.tunables import Proposal, Value
+from tunerd.policy.tunables import Proposal
 from tunerd.policy.verdict import Verdict, judge
 from tunerd.records.metrics import Metrics
 from tunerd.records.recorder import Recorder
@@ -39,14 +38,6 @@ from tunerd.tune.memory import TuningMemory
 from tunerd.tune.recall import Recall
 
 log = structlog.get_logger("tunerd")
-
-
-class LiveKnobs(Protocol):
-    """Parameters that change on the running daemon (policy.tunables.LIVE): the door's in-flight cap."""
-
-    def value(self, name: str) -> Value | None: ...
-
-    def set(self, name: str, value: Value | None, why: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -64,7 +55,6 @@ class TrialContext:
     rule_values: Callable[[float, float], dict[str, float | None]]
     on_kept: Callable[[str], None]  # a change was kept: the probe's figures join the new baseline
     recall: Recall | None = None
-    knobs: LiveKnobs | None = None
 
 
 class Trial:
@@ -114,22 +104,9 @@ class Trial:
         return {"trial": self.trial_id, "rule": self.rule.name, "param": p.param, "old": p.old, "new": p.new}
 
     def start(self, now: float) -> None:
-        """A restart's change is planned first (a refusal costs no restart); a live knob's applies now."""
+        """The change is planned first (a refusal costs no restart), then applied by a restart."""
         p = self.proposal
-        if not p.live:
-            self.experiment.plan(p.params, f"rule {self.rule.name}: {p.param} {p.old} → {p.new}", now)
-            return
-        knobs = self.ctx.knobs
-        assert knobs is not None
-        self.ctx.recorder.record(
-            "trial.started",
-            **self.describe(),
-            restart=False,
-            notes=list(p.notes),
-            before=self.before.as_dict(),
-        )
-        why = f"trial {self.trial_id} (rule {self.rule.name})"
-        self.experiment.apply_live(lambda: knobs.set(p.param, p.new, why), now)
+        self.experiment.plan(p.params, f"rule {self.rule.name}: {p.param} {p.old} → {p.new}", now)
 
     # -- tune/experiment.py's Subject: its Experiment calls these -----------------------------------
 
@@ -271,8 +248,7 @@ class Trial:
 
     def _kept(self, after: WindowStats | None) -> None:
         ctx, p = self.ctx, self.proposal
-        if not p.live:
-            self.experiment.keep(self.verdict.reason if self.verdict else "kept")
+        self.experiment.keep(self.verdict.reason if self.verdict else "kept")
         ctx.memory.kept(self.trial_id, self.rule.name, p.param, p.old, p.new)
         if after is not None:
             # The rule's window at the end of the after window: what relative terms will compare with.
@@ -285,13 +261,6 @@ class Trial:
     def _reverted(self, verdict: Verdict, now: float) -> None:
         self._lost(f"reverted: {verdict.reason}")
         self._count("reverted")
-        p = self.proposal
-        if p.live:  # back at once, no restart
-            assert self.ctx.knobs is not None
-            self.ctx.knobs.set(p.param, p.old, f"trial {self.trial_id} reverted")
-            self.ctx.recorder.record("trial.ended", **self.describe(), outcome="reverted", restart=False)
-            self._end()
-            return
         if not self.experiment.revert(f"trial {self.trial_id} reverted: {verdict.reason}", now):
             # Not started (its intent could not be made durable): the trial waits for its change's
             # outcome as a started revert's would (an operator restart or a reload ends it).

@@ -58,7 +58,7 @@ from tunerd.tune.memory import TuningMemory
 from tunerd.tune.prober import Prober
 from tunerd.tune.proposer import Proposer
 from tunerd.tune.recall import Recall
-from tunerd.tune.trials import LiveKnobs, RunSamples, Trial, TrialContext
+from tunerd.tune.trials import RunSamples, Trial, TrialContext
 
 log = structlog.get_logger("tunerd")
 
@@ -81,7 +81,6 @@ class Tuner:
         prober: Prober | None = None,
         recall: Recall | None = None,
         fleet: Fleet | None = None,
-        knobs: LiveKnobs | None = None,
         restart_wait: Callable[[], str | None] | None = None,
     ) -> None:
         self.config = config
@@ -107,8 +106,7 @@ class Tuner:
         self.prober = prober
         self.recall = recall
         self.fleet = fleet  # the shared tuning memory ([memory] url), None: this box alone
-        self.knobs = knobs
-        self.proposer = Proposer(lifecycle, self.memory, knobs, lambda: self.config, restart_wait)
+        self.proposer = Proposer(lifecycle, self.memory, lambda: self.config, restart_wait)
         self._trial_ctx = TrialContext(
             config=lambda: self.config,
             lifecycle=lifecycle,
@@ -120,7 +118,6 @@ class Tuner:
             rule_values=self._rule_values,
             on_kept=self._probe_for_baseline,
             recall=recall,
-            knobs=knobs,
         )
         self.explorer = (
             Explorer(
