@@ -36,8 +36,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # (A scheduler by path, not xdist's `xdist_group` marks: pytest 9.2 derives `nodeid` from `_id`, so
 # xdist 3.8's loadgroup, which renames `_nodeid`, no longer groups anything.)
 # The first prefix that matches names a test's group: the planner's own starts (6 partial vLLM starts that
-# need no other test) run beside the rest of the engine tier, not after it.
-WORKER_GROUPS = ("tests/engine/test_planner_vs_vllm.py", "tests/engine/", "tests/system/")
+# need no other test) and the goodput story (one daemon of its own) run beside the rest of the engine tier,
+# not after it.
+WORKER_GROUPS = (
+    "tests/engine/test_planner_vs_vllm.py",
+    "tests/engine/test_real_vllm_goodput.py",  # a daemon of its own, self-calibrated: runs beside the tier
+    "tests/engine/",
+    "tests/system/",
+)
 
 
 class TierScheduling(LoadScopeScheduling):
