@@ -308,6 +308,11 @@ def test_the_memory_credentials_come_from_a_secret_never_the_configmap(helm: Any
     assert "CREDENTIALS_DIRECTORY" not in {e["name"] for e in container(render(helm))["env"]}
 
 
+def test_the_box_is_named_in_the_fleet_by_its_node_not_its_pod(helm: Any) -> None:
+    env = {e["name"]: e for e in container(render(helm))["env"]}
+    assert env["TUNERD_FLEET_HOST"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+
+
 # -- the operators' artifacts, from etc/ ---------------------------------------------------------------
 
 

@@ -4,6 +4,7 @@ journaled once, nothing lost). The real PostgreSQL: tests/integration/test_fleet
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from tunerd.records.fleet_store import Exchange, FleetError, read_password
 from tunerd.records.journal import Journal, read_records
 from tunerd.records.metrics import Metrics
 from tunerd.records.recorder import Recorder
-from tunerd.tune.fleet import Fleet, fleet_bad_values, fleet_first, with_value
+from tunerd.tune.fleet import HOST_ENV, Fleet, fleet_bad_values, fleet_first, fleet_for, with_value
 
 KEY = ExperienceKey("model-fp", "cuda:NVIDIA H200:140GiB", "0.32.0", "prompt~128 output~64 concurrency~16")
 OTHER = ExperienceKey("model-fp", "cuda:NVIDIA H200:140GiB", "0.32.0", "prompt~1024 output~64 concurrency~16")
@@ -247,3 +248,24 @@ def test_the_first_snapshot_is_journaled_even_when_empty(tmp_path: Path) -> None
     fleet.step(1.0)
     snapshots = [r for r in events(journal) if r["event"] == "memory.fleet_snapshot"]
     assert [(r["entries"], r["hosts"]) for r in snapshots] == [(0, [])]
+
+
+def test_the_boxs_name_is_the_config_s_then_the_environment_s_then_the_host_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    experience = Experience(tmp_path / "experience.json")
+    journal = Journal(tmp_path / "journal.jsonl")
+    journal.open()
+
+    def host(memory: dict[str, Any]) -> str:
+        config = make_config(tmp_path, tmp_path, {"memory": {"url": "postgresql://t@db/t", **memory}})
+        recorder = Recorder(journal, Metrics())
+        fleet = fleet_for(lambda: config, experience, recorder=recorder, submit=HeldJobs())
+        assert fleet is not None
+        return fleet.host
+
+    monkeypatch.delenv(HOST_ENV, raising=False)
+    assert host({}) == socket.gethostname()
+    monkeypatch.setenv(HOST_ENV, "node-7")  # the Helm chart's: the node, not the pod
+    assert host({}) == "node-7"
+    assert host({"host": "spark-1"}) == "spark-1"

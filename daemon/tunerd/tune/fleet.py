@@ -18,6 +18,7 @@ own step. It is a trial like any other: verified here, kept or reverted. Both ar
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
@@ -37,6 +38,7 @@ from tunerd.records.recorder import Recorder
 log = structlog.get_logger("tunerd")
 
 TRIAL_KINDS = ("trial", "explore")
+HOST_ENV = "TUNERD_FLEET_HOST"  # the box's name in the fleet when [memory] host is not set (the chart: node)
 
 
 class Store(Protocol):
@@ -276,6 +278,7 @@ def fleet_for(
     memory = config().memory
     if memory.url is None:
         return None
-    host = memory.host or socket.gethostname()
+    # In a pod the host name is the pod's, new at every restart: the chart names the node instead.
+    host = memory.host or os.environ.get(HOST_ENV) or socket.gethostname()
     store = FleetStore(memory, host)
     return Fleet(config, experience, store, host=host, recorder=recorder, submit=submit)
