@@ -1,4 +1,5 @@
-"""Periodic observation jobs (APScheduler threads) that only post results to the main loop's queue.
+"""Periodic observation jobs (APScheduler threads) that only post results to the main loop's queue, and
+one-shot jobs (a thread pool) whose futures the loop looks at.
 
 The jobs never touch supervisor state. They read targets, immutable values the main loop replaces
 as a whole (an atomic reference swap), and put their results on the event queue.
@@ -10,7 +11,7 @@ import contextlib
 import queue
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -31,6 +32,9 @@ from tunerd.observe.poller import Poller
 log = structlog.get_logger("tunerd")
 
 WAKE = "wake"  # event: a submitted job finished (the loop only wakes up and steps)
+# One-shot jobs at once: a probe (minutes at most), a plan, a port or process scan, a cache reset, the
+# fleet's exchange, the capability probe; more wait their turn, never dropped.
+ONE_SHOT_WORKERS = 8
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,11 @@ class ObserveJobs:
         self._poll_interval_s = observe.poll_interval_s
         self._guard_interval_s = guard.interval_s
         self._scheduler = BackgroundScheduler(daemon=True)
+        # Not the scheduler's: APScheduler drops a one-shot job its pool picks up more than its misfire
+        # grace (1 s) late, and a dropped job's future never completes. On a loaded CI box a probe's
+        # job was dropped ("was missed by 0:00:01.1"): the prober waited on it for ever, and every
+        # later `tunerd probe` with it.
+        self._one_shot = ThreadPoolExecutor(ONE_SHOT_WORKERS, thread_name_prefix="tunerd-job")
 
     def start(self) -> None:
         for job, seconds, name in (
@@ -119,7 +128,8 @@ class ObserveJobs:
         self._scheduler.start()
 
     def run_once(self, job: Callable[[], Any]) -> None:
-        """Run `job` in a worker thread now; its result (unless None) goes on the event queue."""
+        """Run `job` in a worker thread (now, or once a worker is free); its result (unless None) goes on
+        the event queue."""
 
         def run() -> None:
             try:
@@ -132,7 +142,8 @@ class ObserveJobs:
             if result is not None:
                 self.events.put(result)
 
-        self._scheduler.add_job(run)
+        with contextlib.suppress(RuntimeError):  # stopped: the daemon is exiting
+            self._one_shot.submit(run)
 
     def schedule(self, what: str, *, interval_s: float | None = None, cron: str | None = None) -> None:
         """Post `Due(what)` at the crontab times `cron` (local time), else every `interval_s`; neither:
@@ -156,21 +167,21 @@ class ObserveJobs:
         )
 
     def submit(self, job: Callable[[], T]) -> Future[T]:
-        """Run `job` in a worker thread now; the returned future holds its result (or exception). The
-        loop is woken (a `WAKE` event) when it is done, so whoever waits on it looks again at once."""
-        future: Future[T] = Future()
-
-        def run() -> None:
-            try:
-                future.set_result(job())
-            except Exception as exc:
-                future.set_exception(exc)
-            self.events.put(WAKE)
-
-        self._scheduler.add_job(run)
+        """Run `job` in a worker thread (now, or once a worker is free: however late, it runs); the
+        returned future holds its result (or exception). The loop is woken (a `WAKE` event) when it is
+        done, so whoever waits on it looks again at once."""
+        try:
+            future = self._one_shot.submit(job)
+        except RuntimeError as exc:  # stopped: the daemon is exiting, nothing will wait for it
+            future = Future()
+            future.set_exception(exc)
+            return future
+        future.add_done_callback(lambda _: self.events.put(WAKE))
         return future
 
     def stop(self) -> None:
-        self._scheduler.shutdown(wait=False)
+        if self._scheduler.running:
+            self._scheduler.shutdown(wait=False)
+        self._one_shot.shutdown(wait=False, cancel_futures=True)
         self.health.close()
         self.poller.close()
