@@ -16,9 +16,10 @@ of 2 cannot show this, and the test says so.
 
 Agreement (stated): over the same requests (a load started and stopped between two reads of
 tunerd_slo_requests_total and tunerd_slo_good_requests_total, read once they have counted every request
-the clients finished), tunerd's attainment is within 0.08 of the clients'. The door stamps a request's
-first and last bytes, the clients their reads of them: a request within a few per cent of the target
-can land on either side.
+the clients finished), tunerd's attainment is within 0.10 of the clients'. The door stamps a request's
+first and last bytes, the clients their reads of them (16 threads of one process on a busy box): a
+request within a few per cent of the target can land on either side. Seen in CI: 94.0 % (clients) and
+99.4 % (tunerd); 100.0 % and 100.0 %.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ pytestmark = pytest.mark.engine
 CLIENTS = 16  # the tiny daemon's max_num_seqs: with no cap, vLLM decodes all of them at once
 ATTAINMENT = 0.8
 TTFT_S = 60.0  # generous: a closed loop waits in the door under a cap, and the door's wait counts in TTFT
-TOLERANCE = 0.08
+TOLERANCE = 0.10
 
 
 def tunerd(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
