@@ -171,7 +171,9 @@ def test_sigkill_from_outside_is_reported_as_a_likely_oom_kill(workdir: Path) ->
         assert exited["exit"]["signal"] == "SIGKILL"
         assert "likely OOM kill" in exited["how"]
         failed = daemon.wait_event("engine.failed")
-        assert failed["failure"]["kind"] == "killed"
+        # On a loaded box the health probe can see the dead server before the loop reaps the process
+        # (CI, stop 27: "health_failed"); the kill itself is what engine.exited says, asserted above.
+        assert failed["failure"]["kind"] in ("killed", "health_failed"), failed
 
 
 def test_bad_config_at_start_exits_78_naming_file_key_and_reason(workdir: Path) -> None:
