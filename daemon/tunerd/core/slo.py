@@ -158,11 +158,33 @@ def quantile(sorted_values: list[float], q: float) -> float | None:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
+class PerTarget:
+    """Per-target tallies of judged requests (ttft, tpot, e2e, the order of `meets`): what the window's
+    statistics and the door's cap controller (door/limit.py) both count."""
+
+    __slots__ = ("hits", "judged")
+
+    def __init__(self) -> None:
+        self.hits = [0, 0, 0]
+        self.judged = [0, 0, 0]
+
+    def add(self, verdict: tuple[bool | None, bool | None, bool | None]) -> None:
+        """One request's `meets` verdict: each judged target counted, each met one a hit."""
+        for i, met in enumerate(verdict):
+            if met is not None:
+                self.judged[i] += 1
+                self.hits[i] += met
+
+    def shares(self) -> tuple[float | None, float | None, float | None]:
+        """Per target, the share of judged requests that met it; None where none was judged."""
+        a, b, c = (h / j if j else None for h, j in zip(self.hits, self.judged, strict=True))
+        return a, b, c
+
+
 def window_stats(samples: Iterable[RequestSample], targets: Targets, count: Count, span_s: float) -> SloStats:
     """The statistics of `samples` (those of one window) over `span_s` seconds (pure)."""
     n = met = 0
-    hits = [0, 0, 0]
-    judged = [0, 0, 0]
+    per_target = PerTarget()
     good_tokens = 0
     ttfts: list[float] = []
     tpots: list[float] = []
@@ -172,10 +194,7 @@ def window_stats(samples: Iterable[RequestSample], targets: Targets, count: Coun
     for s in samples:
         n += 1
         verdict = meets(s, targets)
-        for i, m in enumerate(verdict):
-            if m is not None:
-                judged[i] += 1
-                hits[i] += m
+        per_target.add(verdict)
         if s.ok and False not in verdict:
             met += 1
             good_tokens += s.tokens or 0
@@ -194,7 +213,7 @@ def window_stats(samples: Iterable[RequestSample], targets: Targets, count: Coun
     waits.sort()
     queues.sort()
     prefills.sort()
-    shares = [hits[i] / judged[i] if judged[i] else None for i in range(3)]
+    shares = per_target.shares()
     have_targets = targets.any
     attainment = met / n if n and have_targets else None
     goodput = None

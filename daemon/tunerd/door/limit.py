@@ -54,7 +54,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
-from tunerd.core.slo import RequestSample, Targets, meets
+from tunerd.core.slo import PerTarget, RequestSample, Targets, meets
 
 Verdict = Literal["met", "upstream", "door", "few", "idle", "static"]
 # vLLM's own upper bound of max_num_seqs (policy/tunables.py): the cap's ceiling when max_num_seqs is unknown.
@@ -172,17 +172,14 @@ def judge(samples: list[RequestSample], targets: Targets) -> Judgment:
     """Attainment overall and per target, and each miss blamed on vLLM (`upstream`) or on the door's wait
     (`door`: within every target had it not waited). Answered requests only (pure)."""
     n = good = up = door = waited = 0
-    hits, judged = [0, 0, 0], [0, 0, 0]
+    per_target = PerTarget()
     wait_sum = ttft_sum = 0.0
     for s in samples:
         if not s.ok:
             continue
         n += 1
         verdict = meets(s, targets)
-        for i, m in enumerate(verdict):
-            if m is not None:
-                judged[i] += 1
-                hits[i] += m
+        per_target.add(verdict)
         if s.wait_s >= WAITED_S:
             waited += 1
         if s.ttft_s is not None:
@@ -194,7 +191,7 @@ def judge(samples: list[RequestSample], targets: Targets) -> Judgment:
             up += 1
         else:
             door += 1
-    shares = tuple(hits[i] / judged[i] if judged[i] else None for i in range(3))
+    shares = per_target.shares()
     return Judgment(
         n,
         good,
