@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import signal
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +35,7 @@ import pytest
 
 from tests.engine.conftest import real_sections
 from tests.harness import Daemon, free_port, running_daemon, wait_until
+from tests.integration.test_door_daemon import tunerd
 from tests.load import ClosedLoopLoad
 
 pytestmark = pytest.mark.engine
@@ -45,15 +44,6 @@ CLIENTS = 16  # the tiny daemon's max_num_seqs: with no cap, vLLM decodes all of
 ATTAINMENT = 0.8
 TTFT_S = 60.0  # generous: a closed loop waits in the door under a cap, and the door's wait counts in TTFT
 TOLERANCE = 0.10
-
-
-def tunerd(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tunerd", *args, "--config", str(daemon.config_path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
 
 
 def pin(daemon: Daemon, cap: str) -> None:
