@@ -456,6 +456,17 @@ def test_repeated_health_failures_while_running_fail_the_run(tmp_path: Path) -> 
     assert rig.state is S.STOPPING
 
 
+def test_a_death_the_health_probe_sees_before_the_reap_is_called_by_its_exit(tmp_path: Path) -> None:
+    # CI: the server was SIGKILLed, the /health answer reached the loop before its next reap, and the
+    # failure said "health_failed" instead of "killed" (the OOM killer's signature).
+    rig = make_rig(tmp_path, {"timeouts": {"health_failures": 1}})
+    rig.serve()
+    rig.os.kill(rig.run.pid)
+    rig.health(False)
+    failure = rig.last("engine.failed")["failure"]
+    assert failure["kind"] == "killed", failure
+
+
 def test_a_known_good_of_the_default_parameters_survives_a_daemon_restart(tmp_path: Path) -> None:
     rig = make_rig(tmp_path)
     rig.serve()

@@ -287,6 +287,12 @@ class Lifecycle:
         elif self.engine.state is EngineState.RUNNING:
             run.health_failures = 0 if result.ok else run.health_failures + 1
             if run.health_failures >= self.config.timeouts.health_failures:
+                # A server that died answers no /health either, and the probe's answer can reach the loop
+                # before its next reap: look at the engine first, so that a death is called by its exit
+                # (a SIGKILL: likely the OOM killer), not "health failed" (CI saw exactly that race).
+                self._take_engine_events(now)
+                if self.engine.state is not EngineState.RUNNING or self.engine.run is not run:
+                    return
                 detail = f"/health failed {run.health_failures} times in a row (last: {result.detail})"
                 self._on_failure(EngineFailure(FailureKind.HEALTH_FAILED, detail), now)
 
