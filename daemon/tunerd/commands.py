@@ -1,17 +1,19 @@
-"""The operator's commands (`tunerd restart`, `pause`, `resume`, `probe`, `explore`, `door`): checked on
-the socket's handler thread where that needs no loop state (`refusal`), carried out on the loop (`run`).
+"""The operator's commands (`tunerd restart`, `pause`, `resume`, `probe`, `explore`, `door`, `curve`):
+checked on the socket's handler thread where that needs no loop state (`refusal`), carried out on the
+loop (`run`).
 
 A `restart --set` is refused before anything stops when the capacity planner refuses its parameters.
 The handler thread does not ask the planner itself (its cache is the loop's and its worker jobs'): it
 posts an `Asked` and waits for the answer (`ask`); the loop has the planner check the parameters in a
 worker job, as a trial's and a start's are checked, answers, and carries out what it accepted.
 
-What a command cannot say at once — a probe's figures, an exploration's plan and progress — goes to the
+What a command cannot say at once — a probe's figures, an exploration's or a curve's progress — goes to the
 journal, where the CLI reads it (the command's `reason` is its token there).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -20,12 +22,16 @@ from tunerd.config import Config
 from tunerd.config.objective import in_force
 from tunerd.core.commands import Command
 from tunerd.observe.probe import ProbeResult
+from tunerd.policy.evidence import WindowStats
+from tunerd.policy.objective import Goodput, configured, objective
 from tunerd.policy.tunables import REGISTRY
+from tunerd.policy.verdict import objective_in_force
 from tunerd.records.recorder import Recorder
 from tunerd.supervise.capacity import PlanOutcome
 from tunerd.supervise.door_link import DoorLink
 from tunerd.supervise.lifecycle import Lifecycle
 from tunerd.supervise.preflight import Submit
+from tunerd.tune.curve import CapCurve, parse_caps
 from tunerd.tune.prober import Prober
 from tunerd.tune.tuner import Tuner
 
@@ -55,6 +61,17 @@ def refusal(command: Command, config: Config) -> str | None:
         cap = command.params.get("max_in_flight", "missing")
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
             return f"door: max_in_flight must be a whole number ≥ 1, or null for no cap (got {cap!r})"
+    elif command.name == "curve":
+        if not config.door.enabled:
+            return "the front door is off ([door] enabled = false): the curve moves its cap"
+        caps = parse_caps(command.params.get("caps"))
+        if isinstance(caps, str):
+            return caps
+        point_s, settle_s = command.params.get("point_s"), command.params.get("settle_s")
+        if not isinstance(point_s, int | float) or isinstance(point_s, bool) or not 1 <= point_s <= 3600:
+            return f"curve: point_s must be 1..3600 seconds (got {point_s!r})"
+        if not isinstance(settle_s, int | float) or isinstance(settle_s, bool) or not 0 <= settle_s <= 600:
+            return f"curve: settle_s must be 0..600 seconds (got {settle_s!r})"
     elif command.name == "explore":
         unknown = [name for name in command.names if name not in REGISTRY]
         if not command.names or unknown:
@@ -120,6 +137,7 @@ class Commands:
         recorder: Recorder,
         submit: Submit,
         cache_reset: Callable[[str], None] | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.life = lifecycle
         self.tuner = tuner
@@ -131,6 +149,7 @@ class Commands:
         # `tunerd cache-reset`: the off-peak reset now (supervise.cache_reset.CacheReset.due with the
         # loop's signals; its trigger is the command's token).
         self.cache_reset = cache_reset
+        self.now = monotonic  # the loop's clock (a curve's points are timed on it)
 
     def ask(self, asked: Asked) -> None:
         """Loop: a `restart --set` the handler waits on. A change of parameters goes to the planner in a
@@ -194,6 +213,8 @@ class Commands:
                 link.steer(command.reason or "tunerd door --steer")
             elif link is not None:
                 link.set_max_in_flight(command.params.get("max_in_flight"), command.reason or "tunerd door")
+        elif command.name == "curve":
+            self._curve(command)
         elif command.name == "probe":
             self._probe(command.reason or "operator probe")
         elif command.name == "explore":
@@ -203,6 +224,44 @@ class Commands:
                 self.rec.record("explore.refused", params=list(command.names), reason=why, trigger=reason)
         elif command.name == "cache-reset" and self.cache_reset is not None:
             self.cache_reset(command.reason or "operator cache-reset")
+
+    def _curve(self, command: Command) -> None:
+        """`tunerd door --curve`: the door's cap measured cap by cap on the serving vLLM (tune/curve.py);
+        why not, when it cannot start, is journaled (`door.curve.refused`)."""
+        trigger = command.reason or "operator curve"
+        link = self.door_link()
+        caps = parse_caps(command.params.get("caps"))
+        why: str | None = caps if isinstance(caps, str) else None
+        if link is None:
+            why = "the front door is not running"
+        if why is None:
+            assert link is not None and not isinstance(caps, str)
+            config = self.life.config
+            goal_name = objective_in_force(config.tuning, config.objective, door_enabled=True).name
+            goal = (
+                configured(config.objective, config.tuning.tolerance)
+                if goal_name == Goodput.name
+                else objective(goal_name, config.tuning.tolerance)
+            )
+            door = link
+
+            def make(window: Callable[[float, float], WindowStats | None]) -> CapCurve:
+                return CapCurve(
+                    caps,
+                    point_s=float(command.params["point_s"]),
+                    settle_s=float(command.params["settle_s"]),
+                    goal=goal,
+                    pin=door.try_cap,
+                    give_back=lambda: door.restore(f"{trigger}: the curve is over"),
+                    window=window,
+                    recorder=self.rec,
+                    trigger=trigger,
+                    now=self.now(),
+                )
+
+            why = self.tuner.start_curve(make)
+        if why is not None:
+            self.rec.record("door.curve.refused", reason=why, trigger=trigger)
 
     def _probe(self, trigger: str) -> None:
         """`tunerd probe`: one probe now; its `probe.result` (or why it did not run) is journaled."""

@@ -208,6 +208,7 @@ class Supervisor:
             recorder=self.recorder,
             submit=self.jobs.submit,
             cache_reset=lambda trigger: cache_reset.due(self.signals, trigger),
+            monotonic=self.monotonic,
         )
         self._schedule()
         params, why = self.lifecycle.initial_params()

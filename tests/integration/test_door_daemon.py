@@ -153,3 +153,29 @@ def test_the_door_steers_its_cap_toward_the_targets_without_a_restart(workdir: P
         shown = tunerd(daemon, "door")
         assert "cap 2 steered (2..16; upstream, cannot meet the targets)" in shown.stdout, shown.stdout
         assert daemon.status()["engine"]["pid"] == status["engine"]["pid"]  # no restart
+
+
+def test_the_concurrency_curve_measures_each_cap_without_a_restart_and_gives_the_cap_back(
+    workdir: Path,
+) -> None:
+    # The fake vLLM streams each token in the same time at any batch: throughput grows with what the cap
+    # lets through, so cap 2 loses to cap 8 under 8 clients, and the operator's pin (4) is back after.
+    sections = door_sections(workdir, max_in_flight=4)
+    sections["observe"] = {"poll_interval_s": 0.25}
+    with running_daemon(workdir, sections) as daemon:
+        status = daemon.wait_state("RUNNING")
+        with ClosedLoopLoad(door_url(sections), "model", clients=8, max_tokens=40) as load:
+            wait_until(lambda: completed(load) >= 8, 60, "the load to flow")
+            shown = tunerd(daemon, "door", "--curve", "2,8", "--point-s", "3", "--settle-s", "1")
+        assert shown.returncode == 0, shown.stdout + shown.stderr + daemon.dump()
+        assert load.stats.errors == [], load.stats.errors[:5]
+        (done,) = [r for r in daemon.records() if r["event"] == "door.curve.finished"]
+        two, eight = done["points"]
+        assert (two["cap"], eight["cap"]) == (2, 8) and two["objective"] < eight["objective"], done
+        assert done["best"] == 8 and [lost["cap"] for lost in done["lost"]] == [2], done
+        assert "concurrency curve through the door's cap: 2, 8" in shown.stdout
+        assert "best cap: 8" in shown.stdout and "lost: the door's cap at 2 served" in shown.stdout
+        assert door(daemon)["max_in_flight"] == 4  # the operator's pin, given back
+        assert daemon.status()["engine"]["pid"] == status["engine"]["pid"]  # no restart
+        refused = tunerd(daemon, "door", "--curve", "2,x")
+        assert refused.returncode == 1 and "'x' is not a cap" in refused.stderr

@@ -1,13 +1,15 @@
 """`tunerd door`: the front door on the running daemon — its state and limits, and its in-flight cap:
 what its controller reads and did (door/limit.py: mode, value, bounds, the last step and why, the
 interval's samples, attainment by target, the door's share of the clients' TTFT), a value pinned without a
-restart (`--max-in-flight N`, `--max-in-flight none` for no cap), and `--steer` to give the cap back to the
-controller."""
+restart (`--max-in-flight N`, `--max-in-flight none` for no cap), `--steer` to give the cap back to the
+controller, and `--curve 2,4,8,16`: the concurrency curve through the cap, measured cap by cap on the
+serving vLLM with no restart (tune/curve.py)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -26,11 +28,26 @@ def add_commands(sub: Any, config_option: Callable[[argparse.ArgumentParser], No
         action="store_true",
         help="unpin: the door steers its cap toward the [objective] targets again",
     )
+    door.add_argument(
+        "--curve",
+        metavar="CAPS",
+        help="measure the concurrency curve: the cap at each of CAPS (e.g. 2,4,8,16) in turn, no restart, "
+        "scored by the objective in force; then the cap is given back",
+    )
+    door.add_argument("--point-s", type=float, default=30.0, help="--curve: seconds measured per cap (30)")
+    door.add_argument(
+        "--settle-s", type=float, default=5.0, help="--curve: seconds after each change before measuring (5)"
+    )
     door.add_argument("--json", action="store_true", help="the door's part of the status document")
     door.set_defaults(func=cmd_door)
 
 
 def cmd_door(args: argparse.Namespace) -> int:
+    if args.curve is not None:
+        if args.steer or args.max_in_flight is not None:
+            print("tunerd door: --curve alone (it gives the cap back when it is over)", file=sys.stderr)
+            return 64
+        return _curve(args)
     if args.steer and args.max_in_flight is not None:
         print("tunerd door: --steer or --max-in-flight, not both", file=sys.stderr)
         return 64
@@ -58,6 +75,69 @@ def cmd_door(args: argparse.Namespace) -> int:
         return 1
     print(json.dumps(door, indent=2) if args.json else render_door(door))
     return 0
+
+
+def _curve(args: argparse.Namespace) -> int:
+    """`tunerd door --curve`: request it, then print its points from the journal as they come."""
+    from tunerd.cli.probe import _records_until, _request
+
+    body = {"params": {"caps": args.curve, "point_s": args.point_s, "settle_s": args.settle_s}}
+    requested = _request(args, "curve", body)
+    if isinstance(requested, int):
+        return requested
+    _, token, journal, offset = requested
+    try:
+        for record in _records_until(journal, offset, math.inf):
+            line, code = curve_progress(record, token)
+            if line:
+                print(line, flush=True)
+            if code is not None:
+                return code
+    except KeyboardInterrupt:
+        print("\nthe curve goes on in the daemon; follow it with `tunerd journal -f`", file=sys.stderr)
+        return 130
+    return 1
+
+
+def curve_progress(record: dict[str, Any], token: str) -> tuple[str | None, int | None]:
+    """One journal record seen by `tunerd door --curve`: (a line to print or None, the exit code once
+    the curve is over, refused or aborted)."""
+    if record.get("trigger") != token:
+        return None, None
+    event = record.get("event")
+    if event == "door.curve.refused":
+        return f"the daemon refused: {record.get('reason')}", 1
+    if event == "door.curve.started":
+        caps = ", ".join(str(c) for c in record.get("caps") or [])
+        return (
+            f"concurrency curve through the door's cap: {caps}; {record.get('point_s'):g} s each after "
+            f"{record.get('settle_s'):g} s to settle, by {record.get('objective_name')} "
+            f"({record.get('objective_unit')})"
+        ), None
+    if event == "door.curve.point":
+        return f"  {_curve_point(record)}", None
+    if event == "door.curve.finished":
+        lines = [f"best cap: {record.get('best')}"]
+        lines += [f"  lost: {lost.get('why')}" for lost in record.get("lost") or []]
+        lines.append("the cap is given back (pinned or steered as before)")
+        return "\n".join(lines), 0
+    if event == "door.curve.aborted":
+        return f"aborted: {record.get('reason')}", 1
+    return None, None
+
+
+def _curve_point(point: dict[str, Any]) -> str:
+    value, noise = point.get("objective"), point.get("noise")
+    text = f"cap {point.get('cap')}: " + (f"{value:.4g}" if isinstance(value, int | float) else "unmeasured")
+    if isinstance(noise, int | float):
+        text += f" ±{noise:.0%}"
+    if isinstance(point.get("attainment"), int | float):
+        text += f", attainment {point['attainment']:.1%} of {point.get('requests'):.0f} requests"
+    if isinstance(point.get("throughput"), int | float):
+        text += f", {point['throughput']:.0f} tok/s"
+    if isinstance(point.get("preemptions_per_s"), int | float):
+        text += f", {point['preemptions_per_s']:.2f} preemptions/s"
+    return text
 
 
 def _post(args: argparse.Namespace, params: dict[str, Any], done: str) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-COMMANDS = frozenset({"resume", "restart", "pause", "probe", "explore", "door", "cache-reset"})
+COMMANDS = frozenset({"resume", "restart", "pause", "probe", "explore", "door", "curve", "cache-reset"})
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,24 @@ class DoorLink:
         self._save()
         self.rec.record("door.max_in_flight", old=before, new=None, why=why, mode="steered")
 
+    def try_cap(self, cap: int, why: str) -> None:
+        """Set the door's cap at `cap` for a measurement (the concurrency curve, tune/curve.py): neither
+        pinned nor saved — what the operator set stays in force and in the state file, and `restore`
+        (or a daemon restart, after a crash) puts it back."""
+        before = self.door.limit_state().limit
+        self.door.set_max_in_flight(cap)
+        self.rec.record("door.max_in_flight", old=before, new=cap, why=why, mode="measuring")
+
+    def restore(self, why: str) -> None:
+        """After `try_cap`: the cap the operator set (pinned, or steered) is in force again."""
+        before = self.door.limit_state().limit
+        if self.pinned:
+            self.door.set_max_in_flight(self.max_in_flight)
+        else:
+            self.door.steer()
+        mode = "pinned" if self.pinned else "steered"
+        self.rec.record("door.max_in_flight", old=before, new=self.max_in_flight, why=why, mode=mode)
+
     def _save(self) -> None:
         dstate = self.life.dstate
         dstate.door_max_in_flight, dstate.door_pinned = self.max_in_flight, self.pinned

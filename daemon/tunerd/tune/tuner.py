@@ -51,6 +51,7 @@ from tunerd.records.state import DaemonState
 from tunerd.supervise.capacity import PlanOutcome
 from tunerd.supervise.change import ChangeEvent
 from tunerd.supervise.lifecycle import Lifecycle
+from tunerd.tune.curve import CapCurve
 from tunerd.tune.explore_triggers import ExploreTriggers
 from tunerd.tune.explorer import Explorer
 from tunerd.tune.fleet import Fleet, with_value
@@ -96,6 +97,8 @@ class Tuner:
         self.samples = RunSamples()
         self.live: Mapping[str, float | None] = {}
         self.trial: Trial | None = None
+        self.curve: CapCurve | None = None  # `tunerd door --curve`: the cap measured point by point
+        self._curve_run: int | None = None  # the run it measures (a restart ends it)
         self.memory = TuningMemory(
             dstate.tuning,
             lambda: self.config.tuning,
@@ -175,6 +178,8 @@ class Tuner:
             return "tuning is paused (tunerd resume)"
         if self.trial is not None:
             return "a trial is running"
+        if self.curve is not None:
+            return "the door's concurrency curve is being measured"
         return None
 
     # -- configuration and operator commands ---------------------------------------------------
@@ -224,7 +229,7 @@ class Tuner:
             while points and points[0].t < now - horizon:
                 points.popleft()
         self.live = signals
-        if self.trial is None and not self.exploring:
+        if self.trial is None and not self.exploring and self.curve is None:
             self._evaluate_rules(run, now)
 
     def _new_run(self, run_id: int) -> None:
@@ -407,10 +412,38 @@ class Tuner:
 
     # -- the loop's step -----------------------------------------------------------------------------
 
+    def start_curve(
+        self, make: Callable[[Callable[[float, float], WindowStats | None]], CapCurve]
+    ) -> str | None:
+        """Measure the door's concurrency curve (`tunerd door --curve`): `make` builds it with the serving
+        run's window. None when it started, else why not (one experiment at a time, on a serving vLLM)."""
+        run = self.life.engine.run
+        if run is None or self.life.engine.state is not EngineState.RUNNING:
+            return "vLLM is not serving"
+        if self.trial is not None:
+            return "a trial is running"
+        if self.exploring:
+            return "an exploration is running"
+        if self.curve is not None:
+            return "a curve is already being measured"
+        self.curve, self._curve_run = make(self._window), run.run_id
+        return None
+
     def step(self, now: float) -> None:
-        """Drive the trial or the exploration in progress (every loop tick)."""
+        """Drive the trial, the exploration or the curve in progress (every loop tick)."""
         if self.fleet is not None:
             self.fleet.step(now)
+        if self.curve is not None:
+            run = self.life.engine.run
+            if (
+                run is None
+                or run.run_id != self._curve_run
+                or self.life.engine.state is not EngineState.RUNNING
+            ):
+                self.curve.abort("vLLM restarted or stopped: the curve measures one run")
+                self.curve = None
+            elif self.curve.step(now):
+                self.curve = None
         if self.explorer is not None and self.triggers is not None:
             self.explorer.step(now)
             run = self.life.engine.run

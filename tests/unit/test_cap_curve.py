@@ -1,0 +1,84 @@
+"""tune/curve.py: the concurrency curve through the door's cap, cap by cap on one run, with a fake clock."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.unit.test_trial_verdict import stats
+from tunerd.policy.evidence import WindowStats
+from tunerd.policy.objective import Throughput
+from tunerd.tune.curve import CapCurve, parse_caps
+
+
+class Journal:
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+
+    def record(self, event: str, **fields: Any) -> None:
+        self.records.append({"event": event, **fields})
+
+    def of(self, event: str) -> list[dict[str, Any]]:
+        return [r for r in self.records if r["event"] == event]
+
+
+def run_curve(throughput_at: dict[int, float], noise: float = 0.0) -> tuple[Journal, list[tuple[str, Any]]]:
+    """Measure a curve whose window serves `throughput_at[cap]` tok/s under the cap in force."""
+    journal, door = Journal(), []
+    current: dict[str, int] = {}
+
+    def pin(cap: int, why: str) -> None:
+        current["cap"] = cap
+        door.append(("cap", cap))
+
+    def window(start: float, end: float) -> WindowStats | None:
+        assert end - start >= 10.0  # the settle time is not measured
+        return stats(gen_per_s=throughput_at[current["cap"]], noise=noise, seed=current["cap"])
+
+    now = 100.0
+    curve = CapCurve(
+        tuple(throughput_at),
+        point_s=10.0,
+        settle_s=2.0,
+        goal=Throughput(),
+        pin=pin,
+        give_back=lambda: door.append(("given back", None)),
+        window=window,
+        recorder=journal,  # type: ignore[arg-type]
+        trigger="t1",
+        now=now,
+    )
+    for _ in range(1000):
+        now += 0.5
+        if curve.step(now):
+            break
+    return journal, door
+
+
+def test_each_cap_is_measured_after_it_settles_and_the_cap_is_given_back() -> None:
+    journal, door = run_curve({2: 50.0, 4: 100.0, 8: 104.0})
+    assert door == [("cap", 2), ("cap", 4), ("cap", 8), ("given back", None)]
+    points = journal.of("door.curve.point")
+    assert [(p["cap"], p["objective"]) for p in points] == [(2, 50.0), (4, 100.0), (8, 104.0)]
+    assert all(p["seconds"] == 10.0 for p in points)
+    (done,) = journal.of("door.curve.finished")
+    assert done["best"] == 8
+    # 2 lost beyond the noise; 4 is within 4 % of 8, with no noise measured: lost only by its ratio.
+    assert [lost["cap"] for lost in done["lost"]] == [2, 4]
+    assert "the door's cap at 2 served 50 tok/s against 104 tok/s at 8 (-52%" in done["lost"][0]["why"]
+
+
+def test_caps_within_their_noise_are_not_called_lost() -> None:
+    journal, _ = run_curve({4: 100.0, 8: 104.0}, noise=0.5)  # ±50 % per second: a 4 % gap is noise
+    (done,) = journal.of("door.curve.finished")
+    point = journal.of("door.curve.point")[0]
+    assert point["noise"] is not None and point["noise"] > 0.02
+    assert done["lost"] == []
+
+
+def test_the_caps_are_checked_before_anything_moves() -> None:
+    assert parse_caps("2, 4,8") == (2, 4, 8)
+    assert parse_caps("2,x") == "curve: 'x' is not a cap (a whole number ≥ 1)"
+    assert parse_caps("0") == "curve: '0' is not a cap (a whole number ≥ 1)"
+    assert parse_caps("2,2") == "curve: a cap is named twice"
+    assert parse_caps("") == "curve: name the caps to measure, e.g. 2,4,8,16"
+    assert parse_caps(",".join(str(i) for i in range(1, 40))) == "curve: 39 caps, at most 32"
