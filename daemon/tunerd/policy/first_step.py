@@ -99,7 +99,7 @@ def kv_first_step(
     block = shape.block_size
     blocks = shape.kv_tokens // block
     usable = blocks - 1  # the BlockPool's null block (planner/kv_math.py)
-    tokens = math.ceil(shape.prompt_tokens + shape.output_tokens)
+    tokens = round(shape.prompt_tokens + shape.output_tokens)  # a mean: its nearest whole token count
     per_request = math.ceil(tokens / block)
     ratio = usable / per_request
     fits = math.floor(ratio)
