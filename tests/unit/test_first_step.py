@@ -140,6 +140,16 @@ def test_a_tabu_value_is_not_proposed() -> None:
     )
 
 
+def test_never_jumps_over_a_tabu_value() -> None:
+    # 8 lost (tabu) between the model's 4 and the 16 in force: going past what lost is not tried.
+    tabu = {("max_num_seqs", 8): "reverted: throughput worse", ("max_num_seqs", 2): "failed"}
+    step = kv_first_step(cpu_kv_test(), current=16, bounds=BOUNDS, tabu=tabu)
+    assert isinstance(step, NoFirstStep)
+    assert step.reason == "max_num_seqs=4 would jump over 8, which is tabu: reverted: throughput worse"
+    below = kv_first_step(cpu_kv_test(), current=16, bounds=BOUNDS, tabu={("max_num_seqs", 2): "failed"})
+    assert isinstance(below, FirstStep) and below.value == 4  # a tabu value below it is no obstacle
+
+
 def test_a_concurrency_the_doors_cap_lost_is_lost_for_max_num_seqs() -> None:
     # The door's cap at 23 missed the targets by its wait (a larger cap was needed): max_num_seqs 16 — the
     # value 23 rounds to — runs even fewer at once.

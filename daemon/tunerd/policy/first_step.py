@@ -20,10 +20,10 @@ direction (its factor) stays the fallback when the arithmetic has no input or la
   to vLLM's default list (1, 2, 4, then multiples of 8) when the sizes were not logged; with no graphs (an
   eager start's empty list, the CPU backend) any integer runs as fast.
 - **Never where it cannot help or already lost**: within the bounds, below the value in force, not a tabu
-  value, and not at or below a concurrency the door's cap already lost under this load (`LostCap`: its
-  controller saw requests miss their targets only by the door's wait at that cap, door/limit.py
-  `too_low`: vLLM running that many at once is what the cap measured, and a smaller limit only moves the
-  wait into vLLM's queue).
+  value nor past one (a step never jumps over one), and not at or below a concurrency the door's cap
+  already lost under this load (`LostCap`: its controller saw requests miss their targets only by the
+  door's wait at that cap, door/limit.py `too_low`: vLLM running that many at once is what the cap
+  measured, and a smaller limit only moves the wait into vLLM's queue).
 """
 
 from __future__ import annotations
@@ -124,12 +124,27 @@ def kv_first_step(
         return NoFirstStep(
             f"the KV cache holds {value} at a time, not fewer than max_num_seqs {current}", arithmetic
         )
-    why_tabu = (tabu or {}).get(("max_num_seqs", value))
-    if why_tabu is not None:
-        return NoFirstStep(f"max_num_seqs={value} is tabu: {why_tabu}", arithmetic)
+    if (why_tabu := _tabu_at_or_above(value, current, tabu or {})) is not None:
+        return NoFirstStep(why_tabu, arithmetic)
     if (why_lost := lost_to_door(value, lost)) is not None:
         return NoFirstStep(why_lost, arithmetic)
     return FirstStep(value, arithmetic)
+
+
+def _tabu_at_or_above(value: int, current: int, tabu: Mapping[tuple[str, object], str]) -> str | None:
+    """Why `value` may not be proposed: it is tabu, or a tabu value lies between it and `current` — a step
+    never jumps over one (policy/tunables.py): what lost nearer the value in force rules out going past it."""
+    if (why := tabu.get(("max_num_seqs", value))) is not None:
+        return f"max_num_seqs={value} is tabu: {why}"
+    between = [
+        (v, why)
+        for (param, v), why in tabu.items()
+        if param == "max_num_seqs" and isinstance(v, int | float) and value < v < current
+    ]
+    if not between:
+        return None
+    nearest, why = min(between, key=lambda item: float(item[0]))
+    return f"max_num_seqs={value} would jump over {nearest}, which is tabu: {why}"
 
 
 def round_down_fast(value: int, backend: Backend, capture_sizes: tuple[int, ...] | None) -> tuple[int, str]:
