@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.unit.fakes import make_rig
-from tests.unit.test_tuner import KV_RULE, LANDSCAPE, SimEngine, TunerRig, _wall
+from tests.unit.fakes import EngineScript, make_rig
+from tests.unit.test_tuner import KV_RULE, LANDSCAPE, RULE_STEP_START, SimEngine, TunerRig, _wall
 from tunerd.config.rules import parse_rules
 from tunerd.observe.signals import SignalWindow
 from tunerd.supervise.capacity import PlanOutcome
@@ -29,6 +29,7 @@ def make(tmp_path: Path, *, restart_wait: Callable[[], str | None] | None = None
         "backoff": {"known_good_after_s": 5.0},
     }
     rig = make_rig(tmp_path, overrides)
+    rig.os.default = EngineScript(lines=RULE_STEP_START)  # the rule's own step: no KV size to model
     rig.lifecycle.capacity.check = lambda params: PlanOutcome(None, {"band": "fine"})  # type: ignore[method-assign]
     tuner = Tuner(
         rig.config, parse_rules({"rule": [DOOR_FIRST]}), rig.lifecycle, recorder=rig.recorder,

@@ -150,6 +150,24 @@ def test_never_lowers_the_cap_when_the_doors_wait_is_what_misses() -> None:
     assert state.verdict == "met"
 
 
+def test_the_cap_lost_to_the_doors_wait_is_shown_until_forgotten() -> None:
+    # The tuner reads `too_low` from the snapshot as a concurrency lost under the load in force (issue 22):
+    # the snapshot forgets it when the controller does — at a restart, and once it ages out.
+    clock = FakeClock()
+    limiter = steered(clock, Targets(ttft_s=0.5), low=1, high=128, start=8, memory_s=60.0)
+    run(limiter, ClosedLoop(100, linear(0.005, 0.0001)), clock, 1)
+    assert limiter.state().too_low == 8
+    limiter.reset(clock())
+    assert limiter.state().too_low is None
+    clock.advance(10.0)  # requests that arrived after the restart (their wait in the door is ~7 s)
+    run(limiter, ClosedLoop(100, linear(0.005, 0.0001)), clock, 1)
+    lost = limiter.state().too_low
+    assert lost is not None
+    clock.advance(61.0)  # no judged step since: only the interval's look at the memory
+    limiter.step(clock(), 0)
+    assert limiter.state().too_low is None
+
+
 def test_the_doors_wait_at_the_upper_bound_cannot_be_met_by_the_cap() -> None:
     clock = FakeClock()
     limiter = steered(clock, Targets(ttft_s=0.5), low=1, high=16)

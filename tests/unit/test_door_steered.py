@@ -171,3 +171,18 @@ def test_steer_is_refused_without_a_goodput_objective(tmp_path: Path) -> None:
     assert why is not None and "needs the goodput objective" in why
     config = make_config(tmp_path, tmp_path, {"door": {"enabled": True}, "objective": {"tpot_s": 0.05}})
     assert refusal(Command("door", params={"steer": True}), config) is None
+
+
+def test_the_tuner_reads_the_concurrency_the_steered_cap_lost(supervisor: Supervisor) -> None:
+    # issue 22: a cap that missed the targets only by the door's wait (`too_low`) is a concurrency lost
+    # under this load; the tuner's proposer reads it (never blocking: the door's snapshot) for max_num_seqs.
+    link = supervisor.door_link
+    assert link is not None and supervisor.tuner is not None
+    assert supervisor.tuner.proposer.door_lost == link.lost_caps  # wired by the supervisor
+    base = LimitState("steered", 24, 1, 64, 5.0, verdict="door", too_low=23)
+    link.door.limit_state = lambda: base  # type: ignore[method-assign]
+    [lost] = link.lost_caps()
+    assert lost.value == 23 and "door's wait" in lost.why
+    for state in (replace_state(base, too_low=None), LimitState("static", 23, 1, 64, 0.0, pinned=True)):
+        link.door.limit_state = lambda state=state: state  # type: ignore[method-assign]
+        assert link.lost_caps() == ()

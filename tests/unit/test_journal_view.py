@@ -98,6 +98,18 @@ def test_format_record_is_one_readable_line() -> None:
     assert "seq=" not in line and "time=" not in line and "event=" not in line
 
 
+def test_a_trial_says_who_proposed_its_value_and_the_arithmetic() -> None:
+    record = {
+        "seq": 9, "time": "2026-12-03T12:00:00Z", "event": "trial.started", "trial": 1,
+        "rule": "kv-cache-pressure", "param": "max_num_seqs", "old": 32, "new": 16,
+        "proposed_by": "kv model", "arithmetic": "KV cache 9,584 tokens ... = 23.00 → 23; ... → 16",
+    }  # fmt: skip
+    line = format_record(record)
+    assert "max_num_seqs 32 → 16 (by the kv model: KV cache 9,584 tokens ... = 23.00 → 23; ... → 16)" in line
+    assert "(by the rule step);" in format_record({**record, "proposed_by": "rule step", "arithmetic": None})
+    assert "(by the" not in format_record({k: v for k, v in record.items() if k != "proposed_by"})
+
+
 def test_format_record_shows_empty_strings_quoted_and_missing_head_fields_as_question_marks() -> None:
     line = format_record({"detail": ""})
     assert line.startswith("?  #? ")

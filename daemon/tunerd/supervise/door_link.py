@@ -28,6 +28,7 @@ from tunerd.config.objective import in_force
 from tunerd.core.params import batch_defaults
 from tunerd.core.states import EngineState
 from tunerd.door import Door, DoorDrained, DoorFailed, DoorLimit, DoorReleased, UpstreamState
+from tunerd.policy.first_step import LostCap
 from tunerd.records.recorder import Recorder
 from tunerd.supervise.lifecycle import ACTIVE, Lifecycle
 
@@ -139,6 +140,16 @@ class DoorLink:
             f"the door's cap ({state.limit}) is still steering toward the targets ({state.verdict} misses): "
             "restart knobs wait until it meets them or cannot"
         )
+
+    def lost_caps(self) -> tuple[LostCap, ...]:
+        """The concurrency the steered cap lost under the load in force (read by tune/proposer.py: a
+        max_num_seqs at or below it is not tried): door/limit.py's `too_low`, the largest cap whose requests
+        missed the targets only by the door's wait, remembered for its `memory_s` and forgotten at a restart.
+        None while the cap is pinned or not steered. A snapshot of the door's thread: never blocks."""
+        state = self.door.limit_state()
+        if state.mode != "steered" or state.too_low is None:
+            return ()
+        return (LostCap(state.too_low, "its requests missed the targets only by the door's wait"),)
 
     def set_model_dir(self, model: str) -> None:
         if Path(model).is_dir():  # a repo id has no local tokenizer: prompt lengths are left to vLLM

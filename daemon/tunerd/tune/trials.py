@@ -126,6 +126,8 @@ class Trial:
             params_before=self.ctx.lifecycle.params,
             params_after=p.params,
             notes=list(p.notes),
+            proposed_by=p.proposed_by,  # "kv model", "rule step", "fleet" (issue 22)
+            arithmetic=p.arithmetic,
             before=self.before.as_dict(),
             plan={k: plan.figures.get(k) for k in ("band", "ratio", "kv_cache_tokens") if k in plan.figures},
         )

@@ -25,7 +25,7 @@ as one source of changes; its decisions are the policy modules', its memory is `
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
 from datetime import datetime
@@ -41,6 +41,7 @@ from tunerd.observe.poller import PollSample
 from tunerd.observe.probe import ProbeResult
 from tunerd.policy.evidence import Point, WindowStats, signal_values, window_signals, window_stats
 from tunerd.policy.fired import Act, Alert, Defer, Facts, Mute, decide
+from tunerd.policy.first_step import LostCap
 from tunerd.policy.gates import window_open
 from tunerd.policy.rules import RuleState, TermValue, evaluate
 from tunerd.policy.tunables import NoProposal, Proposal
@@ -83,6 +84,7 @@ class Tuner:
         recall: Recall | None = None,
         fleet: Fleet | None = None,
         restart_wait: Callable[[], str | None] | None = None,
+        door_lost: Callable[[], Sequence[LostCap]] | None = None,
     ) -> None:
         self.config = config
         self.rules = rules.rules if rules is not None else ()
@@ -109,7 +111,7 @@ class Tuner:
         self.prober = prober
         self.recall = recall
         self.fleet = fleet  # the shared tuning memory ([memory] url), None: this box alone
-        self.proposer = Proposer(lifecycle, self.memory, lambda: self.config, restart_wait)
+        self.proposer = Proposer(lifecycle, self.memory, lambda: self.config, restart_wait, door_lost)
         self._trial_ctx = TrialContext(
             config=lambda: self.config,
             lifecycle=lifecycle,
@@ -340,7 +342,7 @@ class Tuner:
             for param, value, why in self.recall.bad_values(before):
                 if (param, value) not in self.memory.tabu():
                     self.memory.add_tabu(param, value, f"tuning memory: {why}")
-        proposal = self.proposer.propose(rule, running=before.running_avg)
+        proposal = self.proposer.propose(rule, running=before.running_avg, window=before)
         if self.fleet is None or self.recall is None:
             return proposal
         # The fleet's best kept value replaces the rule's own step (which may be a value that lost
@@ -354,7 +356,7 @@ class Tuner:
                 return first
         self._fleet_tabu(self.fleet, key)
         if isinstance(proposal, Proposal) and (proposal.param, proposal.new) in self.memory.tabu():
-            return self.proposer.propose(rule, running=before.running_avg)
+            return self.proposer.propose(rule, running=before.running_avg, window=before)
         return proposal
 
     def _fleet_tabu(self, fleet: Fleet, key: ExperienceKey | None) -> None:
@@ -375,6 +377,7 @@ class Tuner:
         changed = with_value(proposal, found.value, f"fleet: {found.why}")
         if changed is None:
             return proposal
+        changed = replace(changed, proposed_by="fleet", arithmetic=None)
         self.rec.record(
             "memory.from_fleet",
             taken="first proposal",
@@ -403,6 +406,8 @@ class Tuner:
                 old=proposal.old,
                 new=proposal.new,
                 notes=list(proposal.notes),
+                proposed_by=proposal.proposed_by,
+                arithmetic=proposal.arithmetic,
                 before=before.as_dict(),
                 mode="dry-run: nothing changes",
             )
