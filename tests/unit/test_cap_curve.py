@@ -82,3 +82,16 @@ def test_the_caps_are_checked_before_anything_moves() -> None:
     assert parse_caps("2,2") == "curve: a cap is named twice"
     assert parse_caps("") == "curve: name the caps to measure, e.g. 2,4,8,16"
     assert parse_caps(",".join(str(i) for i in range(1, 40))) == "curve: 39 caps, at most 32"
+
+
+def test_the_largest_cap_below_the_best_that_lost_is_what_max_num_seqs_must_not_go_to() -> None:
+    from tunerd.tune.curve import CurvePoint, curve_lost_below_best
+
+    def point(cap: int, value: float) -> CurvePoint:
+        return CurvePoint(cap, 10.0, value, 0.01, value, None, None, None, None, None)
+
+    points = [point(2, 40.0), point(4, 60.0), point(8, 100.0), point(16, 70.0)]
+    lost = curve_lost_below_best(points, Throughput())
+    assert lost is not None and lost.value == 4  # 16 lost too, but above the best: not a lower limit
+    assert lost.why.startswith("the concurrency curve: the door's cap at 4 served 60 tok/s")
+    assert curve_lost_below_best([point(4, 99.0), point(8, 100.0)], Throughput()) is None

@@ -184,7 +184,8 @@ def parse(name: str, length: str | None, body: bytes = b"") -> Command:
             "0",
             b"",
             404,
-            "unknown command 'reboot' (known: cache-reset, curve, door, explore, pause, probe, restart, resume)",
+            "unknown command 'reboot' (known: cache-reset, curve, door, explore, pause, probe, restart, "
+            "resume)",
         ),
         ("restart", "abc", b"", 400, "Content-Length 'abc' is not a byte count"),
         ("restart", "-1", b"", 400, "Content-Length '-1' is not a byte count"),

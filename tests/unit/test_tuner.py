@@ -597,3 +597,17 @@ def test_the_planner_is_asked_once_for_a_trials_parameters(tmp_path: Path) -> No
     assert [p.max_num_seqs for p in asked].count(16) == 1
     plans = [r for r in sim.rig.records("preflight.plan") if r["params"]["max_num_seqs"] == 16]
     assert len(plans) == 1 and plans[0]["band"] == "fine"  # the preflight still journals the plan it used
+
+
+def test_a_concurrency_the_curve_lost_is_not_tried_for_max_num_seqs_on_that_run(tmp_path: Path) -> None:
+    sim = make_tuner(tmp_path, start_lines=KV_MODEL_START)
+    run = sim.rig.lifecycle.engine.run
+    assert run is not None
+    why = "the concurrency curve: the door's cap at 16 served 50 tok/s against 100 tok/s at 32 (-50%)"
+    sim.tuner._curve_lost = (run.run_id, LostCap(16, why))  # what a finished `tunerd door --curve` leaves
+    sim.run_for(600)
+    assert not sim.rig.records("trial.started")
+    assert sim.rig.last("rule.deferred")["reason"] == (
+        f"max_num_seqs: the door's cap at 16 already lost under this load ({why}): max_num_seqs=16 runs no "
+        "more at once"
+    )

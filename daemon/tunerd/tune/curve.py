@@ -25,6 +25,7 @@ from enum import Enum
 
 from tunerd.core.stats import relative_noise
 from tunerd.policy.evidence import WindowStats
+from tunerd.policy.first_step import LostCap
 from tunerd.policy.objective import Goodput, Objective
 from tunerd.records.recorder import Recorder
 
@@ -114,6 +115,19 @@ def lost_caps(points: Sequence[CurvePoint], goal: Objective) -> dict[int, str]:
                 f"{goal.describe(best.objective)} at {best.cap} ({ratio - 1:+.0%}, noise ±{noise:.0%})"
             )
     return out
+
+
+def curve_lost_below_best(points: Sequence[CurvePoint], goal: Objective) -> LostCap | None:
+    """For the proposer (tune/proposer.py): the largest cap below the curve's best that lost to it — a
+    max_num_seqs at or below it runs no more at once under this load than that cap did; None when no
+    cap below the best lost."""
+    best = best_point(points, goal)
+    lost = lost_caps(points, goal)
+    below = [cap for cap in lost if best is not None and cap < best.cap]
+    if not below:
+        return None
+    cap = max(below)
+    return LostCap(cap, f"the concurrency curve: {lost[cap]}")
 
 
 MAX_CAPS = 32

@@ -52,7 +52,7 @@ from tunerd.records.state import DaemonState
 from tunerd.supervise.capacity import PlanOutcome
 from tunerd.supervise.change import ChangeEvent
 from tunerd.supervise.lifecycle import Lifecycle
-from tunerd.tune.curve import CapCurve
+from tunerd.tune.curve import CapCurve, curve_lost_below_best
 from tunerd.tune.explore_triggers import ExploreTriggers
 from tunerd.tune.explorer import Explorer
 from tunerd.tune.fleet import Fleet, with_value
@@ -111,7 +111,18 @@ class Tuner:
         self.prober = prober
         self.recall = recall
         self.fleet = fleet  # the shared tuning memory ([memory] url), None: this box alone
-        self.proposer = Proposer(lifecycle, self.memory, lambda: self.config, restart_wait, door_lost)
+        # What the door's cap lost: its steered controller's memory, and the last curve's (of this run).
+        self._curve_lost: tuple[int, LostCap] | None = None  # (run id, the largest cap below the best)
+
+        def lost() -> tuple[LostCap, ...]:
+            steered = tuple(door_lost()) if door_lost is not None else ()
+            run = self.life.engine.run
+            curve = self._curve_lost
+            if curve is not None and run is not None and run.run_id == curve[0]:
+                return (*steered, curve[1])
+            return steered
+
+        self.proposer = Proposer(lifecycle, self.memory, lambda: self.config, restart_wait, lost)
         self._trial_ctx = TrialContext(
             config=lambda: self.config,
             lifecycle=lifecycle,
@@ -448,6 +459,9 @@ class Tuner:
                 self.curve.abort("vLLM restarted or stopped: the curve measures one run")
                 self.curve = None
             elif self.curve.step(now):
+                below = curve_lost_below_best(self.curve.points, self.curve.goal)
+                if below is not None and self._curve_run is not None:
+                    self._curve_lost = (self._curve_run, below)
                 self.curve = None
         if self.explorer is not None and self.triggers is not None:
             self.explorer.step(now)
