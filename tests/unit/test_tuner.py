@@ -611,3 +611,25 @@ def test_a_concurrency_the_curve_lost_is_not_tried_for_max_num_seqs_on_that_run(
         f"max_num_seqs: the door's cap at 16 already lost under this load ({why}): max_num_seqs=16 runs no "
         "more at once"
     )
+
+
+def test_a_restart_the_curve_measured_says_what_it_is_expected_to_gain(tmp_path: Path) -> None:
+    from tunerd.policy.objective import Throughput
+    from tunerd.tune.curve import CurvePoint
+
+    sim = make_tuner(tmp_path, start_lines=KV_MODEL_START)
+    run = sim.rig.lifecycle.engine.run
+    assert run is not None
+    points = (
+        CurvePoint(16, 30.0, 96.0, 0.02, 96.0, None, None, None, None, None),
+        CurvePoint(32, 30.0, 100.0, 0.02, 100.0, None, None, None, None, None),
+    )
+    sim.tuner._curve_points = (run.run_id, points, Throughput())  # what `tunerd door --curve 16,32` leaves
+    sim.run_until(lambda: bool(sim.rig.records("trial.started")))
+    started = sim.rig.last("trial.started")
+    assert started["new"] == 16
+    assert (
+        "the concurrency curve measured the door's cap at 16: 96 tok/s, against 100 tok/s at its best cap "
+        "32: expected gain of the restart -4% (about what the cap served; more only for memory or batch "
+        "shapes)"
+    ) in started["notes"]

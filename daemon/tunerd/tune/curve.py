@@ -130,6 +130,23 @@ def curve_lost_below_best(points: Sequence[CurvePoint], goal: Objective) -> Lost
     return LostCap(cap, f"the concurrency curve: {lost[cap]}")
 
 
+def expected_from_curve(points: Sequence[CurvePoint], goal: Objective, value: int) -> str | None:
+    """What the curve says a restart to max_num_seqs = `value` buys (for the trial's notes): the cap at
+    `value` against the curve's best. The cap runs as many at once without a restart, so the restart is
+    expected to serve about what the cap did — more only where it buys memory or batch shapes the cap
+    cannot. None when the curve did not measure `value`."""
+    at = next((p for p in points if p.cap == value and p.objective is not None), None)
+    best = best_point(points, goal)
+    if at is None or best is None or at.objective is None or best.objective is None or best.objective <= 0:
+        return None
+    change = at.objective / best.objective - 1
+    return (
+        f"the concurrency curve measured the door's cap at {value}: {goal.describe(at.objective)}, against "
+        f"{goal.describe(best.objective)} at its best cap {best.cap}: expected gain of the restart "
+        f"{change:+.0%} (about what the cap served; more only for memory or batch shapes)"
+    )
+
+
 MAX_CAPS = 32
 
 

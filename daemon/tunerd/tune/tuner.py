@@ -43,6 +43,7 @@ from tunerd.policy.evidence import Point, WindowStats, signal_values, window_sig
 from tunerd.policy.fired import Act, Alert, Defer, Facts, Mute, decide
 from tunerd.policy.first_step import LostCap
 from tunerd.policy.gates import window_open
+from tunerd.policy.objective import Objective
 from tunerd.policy.rules import RuleState, TermValue, evaluate
 from tunerd.policy.tunables import NoProposal, Proposal
 from tunerd.records.experience import ExperienceKey
@@ -52,7 +53,7 @@ from tunerd.records.state import DaemonState
 from tunerd.supervise.capacity import PlanOutcome
 from tunerd.supervise.change import ChangeEvent
 from tunerd.supervise.lifecycle import Lifecycle
-from tunerd.tune.curve import CapCurve, curve_lost_below_best
+from tunerd.tune.curve import CapCurve, CurvePoint, curve_lost_below_best, expected_from_curve
 from tunerd.tune.explore_triggers import ExploreTriggers
 from tunerd.tune.explorer import Explorer
 from tunerd.tune.fleet import Fleet, with_value
@@ -113,6 +114,7 @@ class Tuner:
         self.fleet = fleet  # the shared tuning memory ([memory] url), None: this box alone
         # What the door's cap lost: its steered controller's memory, and the last curve's (of this run).
         self._curve_lost: tuple[int, LostCap] | None = None  # (run id, the largest cap below the best)
+        self._curve_points: tuple[int, tuple[CurvePoint, ...], Objective] | None = None  # (run id, …)
 
         def lost() -> tuple[LostCap, ...]:
             steered = tuple(door_lost()) if door_lost is not None else ()
@@ -406,6 +408,17 @@ class Tuner:
     def _act(self, rule: Rule, decision: Act, now: float) -> None:
         """Run the decided proposal as a trial (in dry-run: journal it only)."""
         proposal, before = decision.proposal, decision.before
+        curve = self._curve_points
+        run = self.life.engine.run
+        if (
+            curve is not None
+            and run is not None
+            and run.run_id == curve[0]
+            and proposal.param == "max_num_seqs"
+        ):
+            note = expected_from_curve(curve[1], curve[2], proposal.new)
+            if note is not None:
+                proposal = replace(proposal, notes=(*proposal.notes, note))
         # The rule's terms before the change: its own window (`observe.window_s`) of this run, where
         # it just fired; `eased` reads the same statistic over the same length after the change.
         before_values = self._rule_values(now)
@@ -459,6 +472,7 @@ class Tuner:
                 self.curve.abort("vLLM restarted or stopped: the curve measures one run")
                 self.curve = None
             elif self.curve.step(now):
+                self._curve_points = (self._curve_run or 0, tuple(self.curve.points), self.curve.goal)
                 below = curve_lost_below_best(self.curve.points, self.curve.goal)
                 if below is not None and self._curve_run is not None:
                     self._curve_lost = (self._curve_run, below)
