@@ -46,7 +46,7 @@ QUIET_S = 15.0
 RULE = """
 [[rule]]
 name = "kv-cache-pressure"
-all = ["kv_cache.usage_avg > 0.90", "preemptions.rate > 0"]
+all = ["preemptions.rate > 0", "kv_cache.full_share >= 0.1"]
 for_s = 10
 cooldown_s = 3600
 [rule.action]

@@ -37,7 +37,7 @@ def kv_rule(name: str, factor: float) -> str:
     return f"""
 [[rule]]
 name = "{name}"
-all = ["kv_cache.usage_avg > 0.90", "preemptions.rate > 0"]
+all = ["preemptions.rate > 0", "kv_cache.full_share >= 0.1"]
 for_s = 2
 cooldown_s = 600
 action = {{ kind = "step", param = "max_num_seqs", direction = "down", factor = {factor} }}

