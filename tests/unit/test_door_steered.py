@@ -178,11 +178,12 @@ def test_the_tuner_reads_the_concurrency_the_steered_cap_lost(supervisor: Superv
     # under this load; the tuner's proposer reads it (never blocking: the door's snapshot) for max_num_seqs.
     link = supervisor.door_link
     assert link is not None and supervisor.tuner is not None
-    assert supervisor.tuner.proposer.door_lost == link.lost_caps  # wired by the supervisor
     base = LimitState("steered", 24, 1, 64, 5.0, verdict="door", too_low=23)
     link.door.limit_state = lambda: base  # type: ignore[method-assign]
     [lost] = link.lost_caps()
     assert lost.value == 23 and "door's wait" in lost.why
+    door_lost = supervisor.tuner.proposer.door_lost
+    assert door_lost is not None and tuple(door_lost()) == (lost,)  # wired by the supervisor
     for state in (replace_state(base, too_low=None), LimitState("static", 23, 1, 64, 0.0, pinned=True)):
         link.door.limit_state = lambda state=state: state  # type: ignore[method-assign]
         assert link.lost_caps() == ()
