@@ -324,7 +324,9 @@ class TuningConfig(_Section):
     unified_max_gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
     maintenance: list[MaintenanceWindow] = Field(default_factory=list)
     explore_in_windows: list[str] = Field(default_factory=list)  # params explored once per window
-    explore_tolerance: float = Field(default=0.03, ge=0, lt=1)  # a step must improve the probe by more
+    explore_tolerance: float = Field(default=0.03, ge=0, lt=1)  # the floor: a move must gain more (confirmed)
+    explore_probes: int = Field(default=3, ge=2, le=20)  # the most probes of one point in one start
+    explore_start_noise: float = Field(default=0.05, ge=0, lt=1)  # relative spread between vLLM starts
     bounds: dict[str, tuple[float, float]] = Field(default_factory=dict)
 
     @field_validator("bounds", mode="before")

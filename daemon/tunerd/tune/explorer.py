@@ -3,10 +3,15 @@ each point a normal trial — intent, restart through the start path, warm-up, e
 is the benchmark probe's throughput, within the latency limits — or, when live traffic saturates the
 engine, the live window's (policy/explore.py says why; the probe then still sets the latency limits).
 
-In order: the probe measures the configuration in force (no restart); the plan (parameters, ladders,
-budget) is journaled; then point after point: the planner (a point it refuses is infeasible and costs no
-restart), a restart with the point, the warm-up, a probe, the point's objective (None when its start
-failed or a limit broke), the next point; the search's best becomes last-known-good (one more restart when
+In order: the probe measures the configuration in force `tuning.explore_probes` times (no restart: the
+reference every point is compared with, and the search's first look at the probe's noise); the plan
+(parameters, ladders, budget, noise, tolerance) is journaled; then point after point: the planner (a
+point it refuses is infeasible and costs no restart), a restart with the point, the warm-up, a probe and
+as many more of the same start as the search asks for (`Search.again`: a point that looks better is
+confirmed before the search moves there — policy/explore.py says why probes of one start and not
+interleaved restarts), the point's objective (the mean of its probes; None when its start failed or a
+limit broke) with its evidence in `explore.point` (probes, noise, tolerance, ratio interval, verdict),
+the next point; the search's best becomes last-known-good (one more restart when
 it is not the last point measured). Points stay in force between them and nothing is promoted by time;
 each restart counts against the tuner's budget; values known to be bad are tabu; a point known from an
 earlier exploration under a comparable load is not measured again. `tunerd explore` starts one; so may a
@@ -69,6 +74,9 @@ class Exploration:
     live: WindowStats | None = None  # live traffic's window before the search: the load a live score is of
     pending: tuple[ProbeResult | None, str | None] | None = None  # a probe done, the live window not yet
     defaults: dict[str, Value] = field(default_factory=dict)  # vLLM's values of the params not set at start
+    baseline_probes: list[ProbeResult] = field(default_factory=list)  # the configuration in force's probes
+    measure_from: float = 0.0  # where the point's measurement in progress began (a live window's start)
+    probes: list[dict[str, Any]] = field(default_factory=list)  # the point's probes so far, for its record
 
     @property
     def since(self) -> float:
@@ -141,12 +149,19 @@ class Explorer:
         return None
 
     def _baseline(self, result: ProbeResult | None, why: str | None) -> None:
+        """A probe of the configuration in force: `tuning.explore_probes` of them (all feasible) are the
+        reference every point is compared with, and the search's first measure of the probe's noise."""
         ex = self.current
         if ex is None:
             return
+        done = result is None  # a further probe could not run: the ones before are the baseline
         if result is None:
-            self._finish(f"no baseline probe: {why}")
-            return
+            if not ex.baseline_probes:
+                self._finish(f"no baseline probe: {why}")
+                return
+        else:
+            ex.baseline_probes.append(result)
+        result = ex.baseline_probes[-1]
         # Live traffic's window is the one before the baseline probe began: the probe's own requests
         # saturate a small max_num_seqs (the engine tier's 4 at a time against 2 made an idle engine look
         # saturated, and each point then scored its mostly idle window: 0 tok/s).
@@ -154,6 +169,16 @@ class Explorer:
         ex.source, ex.live, goal = objective_source(live), live, self.goal()
         feasible, excess = self._probe_score(result)
         objective, _ = scored(goal, ex.source, feasible, live)
+        # More probes of the same start while they are feasible; a live score is one window, not probes.
+        more = ex.source == "probe" and objective is not None and ex.recall is None
+        if more and not done and len(ex.baseline_probes) < self.config().tuning.explore_probes:
+            self.prober.request(f"exploration {ex.explore_id}: the configuration in force", self._baseline)
+            return
+        baseline = [v for v in (self._probe_score(r)[0] for r in ex.baseline_probes) if v is not None]
+        if not more:
+            baseline = []
+        elif baseline:
+            objective = sum(baseline) / len(baseline)
         if ex.recall is not None:
             self._recall_start(ex, result, objective, live)
             return
@@ -194,6 +219,9 @@ class Explorer:
             objective=objective,
             known=known,
             excess=excess,
+            samples=baseline,
+            probes=tuning.explore_probes,
+            start_noise=tuning.explore_start_noise,
         )
         budget = self.memory.budget().left
         self.rec.record(
@@ -207,6 +235,10 @@ class Explorer:
             limit_excess=excess,
             objective_source=ex.source,
             probe=result.as_dict(),
+            baseline_probes=baseline,
+            noise=ex.search.evidence((ex.params[0], current[ex.params[0]]))["noise"],
+            tolerance=round(ex.search.tolerance(tuning.explore_probes), 4),
+            tolerance_floor=goal.tolerance,
             live=live.as_dict() if live is not None else None,
             known_points=len(known),
             budget_left=budget,
@@ -256,6 +288,7 @@ class Explorer:
 
     def on_warm(self, now: float) -> None:
         ex = self._current()
+        ex.measure_from, ex.probes = now, []
         what = ex.point or "the recalled configuration"
         self.prober.request(f"exploration {ex.explore_id}: {what}", self._measured, remember=False)
 
@@ -280,22 +313,35 @@ class Explorer:
             ex.pending = (result, why)
 
     def _window_full(self, ex: Exploration, now: float) -> bool:
-        """A live objective needs `tuning.window_s` of the point's serving, like a trial's evidence."""
-        return ex.source == "probe" or now - ex.since >= self.config().tuning.window_s
+        """A live objective needs `tuning.window_s` of the point's serving, like a trial's evidence (each
+        measurement of it a window of its own)."""
+        return ex.source == "probe" or now - ex.measure_from >= self.config().tuning.window_s
 
     def _scored(self, ex: Exploration, result: ProbeResult | None, why: str | None, now: float) -> None:
-        live = self.window(ex.since, now) if ex.source == "live" else None
-        ex.experiment.decide(now)
+        """One measurement of the point in force. The search may want another of the same start (a
+        probe, or a live window: no restart, `Search.again`) before it decides; then the point is
+        journaled with its evidence and the next one follows."""
+        live = self.window(ex.measure_from, now) if ex.source == "live" else None
         feasible, excess = self._probe_score(result) if result is not None else (None, None)
         objective, source = scored(self.goal(), ex.source, feasible, live)
         figures = result.as_dict() if result is not None else {"error": why}
         extra = {"live": live.as_dict() if live is not None else None}
         if ex.recall is not None:
+            ex.experiment.decide(now)
             self._recall_measured(ex, objective, figures, source, extra)
             return
         if ex.point is None or ex.search is None:
             return
-        self._record_point(ex, objective, figures, excess=excess, source=source, **extra)
+        if result is not None or not ex.probes:  # a confirmation that could not run: judged on the rest
+            ex.search = ex.search.record(*ex.point, objective, excess)
+            ex.probes.append({"objective": objective, "limit_excess": excess})
+            if ex.search.again == ex.point:
+                ex.measure_from = now
+                what = f"exploration {ex.explore_id}: {ex.point[0]} = {ex.point[1]} again"
+                self.prober.request(what, self._measured, remember=False)
+                return
+        ex.experiment.decide(now)
+        self._record_point(ex, objective, figures, excess=excess, source=source, folded=True, **extra)
         ex.experiment.keep("exploration point measured", promote=False)
         self._next(now)
 
@@ -306,13 +352,18 @@ class Explorer:
         figures: dict[str, Any],
         excess: float | None = None,
         source: Source | None = None,
+        folded: bool = False,
         **extra: Any,
     ) -> None:
-        """Fold a point in, file it in the tuning memory and journal it. `source`: what measured its
-        value (None: nothing did, it failed: the exploration's source)."""
+        """Fold a point in (unless its measurements are `folded` already), file it in the tuning memory
+        and journal it: its value (the mean of its probes), and the evidence it was judged on (probes,
+        noise, tolerance, ratio interval, verdict: `Search.compared`). `source`: what measured its value
+        (None: nothing did, it failed: the exploration's source)."""
         assert ex.point is not None and ex.search is not None
         name, value = ex.point
-        ex.search = ex.search.record(name, value, objective, excess)
+        if not folded:
+            ex.search = ex.search.record(name, value, objective, excess)
+        objective = ex.search.measured.get(ex.point)  # the mean of its probes; None: infeasible
         entry = {"param": name, "value": value, "objective": objective, "limit_excess": excess}
         ex.measured.append(entry)
         source = source or ex.source
@@ -329,6 +380,8 @@ class Explorer:
             objective_source=source,
             best=dict(ex.search.best),
             probe=figures,
+            samples=list(ex.search.samples.get(ex.point, ())),
+            **ex.search.compared,
             **extra,
         )
 
@@ -453,6 +506,8 @@ class Explorer:
             objective=ex.search.best_objective if ex.search is not None else None,
             **self.goal().fields(),
             limit_excess=ex.search.best_excess if ex.search is not None else None,
+            best_probes=len(ex.search.best_samples) if ex.search is not None else 0,
+            tolerance_floor=self.goal().tolerance,
             points=len(ex.measured),
             restarts=ex.restarts,
             params=self.life.params,
