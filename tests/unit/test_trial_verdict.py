@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 import pytest
 
+from tunerd.cli.story import trial_decided
 from tunerd.config import TuningConfig
 from tunerd.core.engine_sample import EngineSample, Histogram
 from tunerd.core.signal_window import SignalWindow
@@ -465,3 +466,15 @@ def test_a_gain_the_noise_cannot_tell_extends_the_window_then_is_no_difference()
 def test_a_clear_gain_is_better_and_kept() -> None:
     result = verdict(noisy(5), noisy(6, 150.0))
     assert (result.decision, result.evidence) == ("keep", "better")
+
+
+def test_the_story_of_a_decided_trial_says_its_evidence_and_interval() -> None:
+    record = {
+        "trial": 3, "rule": "kv", "decision": "reverted", "param": "max_num_seqs", "old": 32, "new": 16,
+        "reason": "no difference", "evidence": "no difference (budget spent)",
+        "ratio_interval": [0.98, 1.07], "confidence": 0.95,
+    }  # fmt: skip
+    text = trial_decided(record)
+    assert "(evidence: no difference (budget spent))" in text and "95% interval 0.98–1.07" in text
+    old = {**record, "ratio_interval": None, "ratio_interval_90": [0.9, 1.1], "confidence": None}
+    assert "90% interval 0.90–1.10" in trial_decided({k: v for k, v in old.items() if v is not None})
