@@ -478,3 +478,18 @@ def test_the_story_of_a_decided_trial_says_its_evidence_and_interval() -> None:
     assert "(evidence: no difference (budget spent))" in text and "95% interval 0.98–1.07" in text
     old = {**record, "ratio_interval": None, "ratio_interval_90": [0.9, 1.1], "confidence": None}
     assert "90% interval 0.90–1.10" in trial_decided({k: v for k, v in old.items() if v is not None})
+
+
+def test_a_straddle_is_not_extended_when_the_condition_did_not_ease() -> None:
+    # No evidence could make it a keep: reverted at once, not after the extension budget.
+    before, after = noisy(3), noisy(4, 106.0)
+    result = verdict(before, after, eased=False)
+    assert (result.decision, result.evidence) == ("revert", "no difference")
+    assert "did not ease" in result.reason
+
+
+def test_the_same_throughput_without_the_condition_easing_says_both() -> None:
+    result = verdict(saturated(), saturated(), eased=False)
+    assert (
+        result.decision == "revert" and "no difference" in result.reason and "did not ease" in result.reason
+    )

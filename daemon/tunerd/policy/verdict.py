@@ -14,7 +14,8 @@ objective's ratio after/before (`core.stats.mean_ratio_interval` of the per-poll
   the evidence can see is not worth its risk, and a restart back costs less than a wrong keep;
 - straddling 1 + tolerance: the evidence cannot tell yet → the after window is extended (`extend`; the
   trial doubles it, up to `[tuning] max_extend_s` in all, tune/trials.Windows) and judged again; once
-  the budget is spent (`budget_spent`) → "no difference (budget spent)" → reverted.
+  the budget is spent (`budget_spent`) → "no difference (budget spent)" → reverted. Not extended when
+  the rule's condition did not ease: no evidence could make it a keep ("no difference", reverted).
 A keep errs with at most (1 − confidence) / 2 at each look; the looks are few (the window doubles), and
 the simulation of tests/unit/test_verdict_noise.py measures what they add up to on this box's noise.
 A latency quantile (ITL p95, TTFT p95: one figure per window, no per-poll samples) has no interval: it
@@ -254,9 +255,15 @@ def judge(
         if evidence is None:
             return verdict("revert", f"{goal.name} unknown in a window", None)
     else:
-        evidence = weighed.evidence
+        evidence = _unless_hopeless(weighed.evidence, eased)
     decision, reason = _act_on(evidence, goal, b, a, interval, eased=eased, tolerance=tuning.tolerance)
     return verdict(decision, reason, evidence)
+
+
+def _unless_hopeless(evidence: Evidence | None, eased: bool) -> Evidence | None:
+    """A straddle is extended only where a keep is still possible: not when the triggering condition did
+    not ease (a performance change is then never kept) — said "no difference" (none was told)."""
+    return "no difference" if evidence is None and not eased else evidence
 
 
 def _by_figures(goal: Objective, b: float | None, a: float | None) -> Evidence | None:
@@ -289,6 +296,8 @@ def _act_on(
         moved += f", ratio interval [{interval.lo:.3f}, {interval.hi:.3f}]"
     if evidence is None:
         return "extend", f"{moved} straddles 1 + tolerance {tolerance:.0%}: window extended"
+    if evidence != "worse" and not eased:  # no keep was possible whatever the evidence
+        return "revert", f"{moved}: {evidence}; the triggering condition did not ease"
     if evidence == "better":
         if not eased:
             return "revert", f"{moved} better, but the triggering condition did not ease"
@@ -362,7 +371,7 @@ def _by_goodput(
             if evidence is None:
                 return "revert", f"{goal.name} unknown in a window", None, False
         else:
-            evidence = weighed.evidence
+            evidence = _unless_hopeless(weighed.evidence, eased)
         interval = weighed.interval if weighed is not None else None
         decision, reason = _act_on(evidence, goal, b, a, interval, eased=eased, tolerance=goal.tolerance)
         return decision, f"feasible ({shares}), {reason}", evidence, False

@@ -244,6 +244,9 @@ class Tuner:
         that would detect the tolerance (policy/verdict.noise_meter); None without enough polls."""
         tuning = self.config.tuning
         start = now - tuning.window_s
+        run = self.life.engine.run
+        if run is not None and run.ready_mono is not None:  # the warm-up's polls are not the configuration's
+            start = max(start, run.ready_mono + tuning.warmup_s)
         points = [p for p in self.samples.points if p.t >= start]
         name = objective_in_force(tuning, self.config.objective, self.config.door.enabled).name
         if name == Goodput.name:
