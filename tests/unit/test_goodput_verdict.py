@@ -21,7 +21,8 @@ from tunerd.config import TuningConfig
 from tunerd.config.objective import ObjectiveConfig
 from tunerd.config.rules import parse_rules
 from tunerd.core.slo import RequestSample, SloWindow, Targets, readings
-from tunerd.policy.evidence import Point, WindowStats, ratio_interval, slo_counts, window_stats
+from tunerd.core.stats import mean_ratio_interval
+from tunerd.policy.evidence import Point, WindowStats, slo_counts, window_stats
 from tunerd.policy.objective import Goodput
 from tunerd.policy.tunables import Proposal
 from tunerd.policy.verdict import Verdict, judge
@@ -66,12 +67,12 @@ def decide(
     door_enabled: bool = True,
     purpose: Literal["performance", "safety"] = "performance",
     eased: bool = True,
-    extended: bool = False,
+    budget_spent: bool = False,
     **tuning: Any,
 ) -> Verdict:
     settings = TuningConfig(**{"objective": "slo.goodput", **tuning})
     return judge(
-        before, after, tuning=settings, purpose=purpose, eased=eased, extended=extended,
+        before, after, tuning=settings, purpose=purpose, eased=eased, budget_spent=budget_spent,
         objective=config, door_enabled=door_enabled,
     )  # fmt: skip
 
@@ -114,15 +115,15 @@ def test_the_slo_window_counts_each_request_once_by_the_targets_of_the_poll_that
 
 
 def test_feasible_and_goodput_not_worse_is_kept_with_the_figures_that_decided() -> None:
-    v = decide(window(attainment=0.97, noise=0.1), window(attainment=0.99, noise=0.1, seed=2))
-    assert v.decision == "keep" and not v.inconclusive
+    v = decide(window(attainment=0.97, noise=0.1), window(rate=2.5, attainment=0.99, noise=0.1, seed=2))
+    assert (v.decision, v.evidence) == ("keep", "better") and not v.inconclusive
     assert (v.objective, v.unit) == ("slo.goodput", "req/s")
-    assert v.before == pytest.approx(1.94) and v.after == pytest.approx(1.98)
+    assert v.before == pytest.approx(1.94) and v.after == pytest.approx(2.475)
     assert v.service["feasible_before"] is True and v.service["feasible_after"] is True
     assert v.service["attainment_before"] == pytest.approx(0.97)
-    assert v.service["goodput_after"] == pytest.approx(1.98) and v.service["goodput_unit"] == "req/s"
-    assert v.service["requests_after"] == 60
-    assert v.interval is not None and v.interval[0] <= 1.98 / 1.94 <= v.interval[1]
+    assert v.service["goodput_after"] == pytest.approx(2.475) and v.service["goodput_unit"] == "req/s"
+    assert v.service["requests_after"] == 75
+    assert v.interval is not None and v.interval[0] <= 2.475 / 1.94 <= v.interval[1]
     assert v.objective_reason == ""
 
 
@@ -132,8 +133,13 @@ def test_feasible_but_goodput_worse_beyond_the_tolerance_is_reverted() -> None:
 
 
 def test_feasible_and_not_worse_without_the_condition_easing_is_reverted() -> None:
-    v = decide(window(attainment=0.97), window(attainment=0.97), eased=False)
+    v = decide(window(attainment=0.97), window(rate=2.5, attainment=0.97), eased=False)
     assert v.decision == "revert" and "did not ease" in v.reason
+
+
+def test_feasible_and_goodput_within_the_tolerance_is_no_difference_and_reverted() -> None:
+    v = decide(window(attainment=0.97), window(attainment=0.99))  # +2 %: within the 5 % tolerance
+    assert (v.decision, v.evidence) == ("revert", "no difference")
 
 
 def test_feasible_to_infeasible_is_reverted_even_with_more_goodput() -> None:
@@ -144,16 +150,30 @@ def test_feasible_to_infeasible_is_reverted_even_with_more_goodput() -> None:
 
 
 def test_infeasible_to_feasible_is_kept_even_with_less_goodput() -> None:
-    v = decide(window(rate=3.0, attainment=0.90), window(rate=2.0, attainment=0.96), eased=False)
+    long = {"polls": 301}  # 300 s: 900 and 600 requests, the attainment's difference told from its noise
+    v = decide(
+        window(rate=3.0, attainment=0.90, **long), window(rate=2.0, attainment=0.96, **long), eased=False
+    )
     assert v.after is not None and v.before is not None and v.after < v.before
-    assert v.decision == "keep" and "feasible now" in v.reason
+    assert (v.decision, v.evidence) == ("keep", "better") and "feasible now" in v.reason
+    assert v.figures["attainment_difference_interval"][0] > 0  # type: ignore[index]
+
+
+def test_infeasible_to_feasible_on_few_requests_extends_then_is_no_difference() -> None:
+    before, after = window(rate=3.0, attainment=0.90), window(rate=2.0, attainment=0.96)  # 90, 60 requests
+    assert decide(before, after).decision == "extend"  # the difference's interval straddles 0
+    spent = decide(before, after, budget_spent=True)
+    assert (spent.decision, spent.evidence) == ("revert", "no difference (budget spent)")
 
 
 def test_both_infeasible_is_kept_only_when_attainment_improved_beyond_the_tolerance() -> None:
-    improved = decide(window(attainment=0.50), window(attainment=0.70))
+    long = {"polls": 121}  # 240 requests a window
+    improved = decide(window(attainment=0.50, **long), window(attainment=0.70, **long))
     assert improved.decision == "keep" and "improved" in improved.reason
-    flat = decide(window(attainment=0.50), window(attainment=0.51))
-    assert flat.decision == "revert" and "did not improve" in flat.reason
+    flat = decide(window(attainment=0.50, **long), window(attainment=0.51, **long))
+    assert flat.decision == "extend"  # +1 point on 240 requests: the interval straddles the tolerance
+    flat = decide(window(attainment=0.50, **long), window(attainment=0.51, **long), budget_spent=True)
+    assert (flat.decision, flat.evidence) == ("revert", "no difference (budget spent)")
     assert (flat.service["feasible_before"], flat.service["feasible_after"]) == (False, False)
 
 
@@ -161,9 +181,8 @@ def test_too_few_requests_after_extend_the_window_once_then_revert_as_inconclusi
     before, few = window(), window(rate=0.5)  # 15 requests in 30 s: fewer than min_requests (20)
     first = decide(before, few)
     assert first.decision == "extend" and "15 requests after the change" in first.reason
-    second = decide(before, few, extended=True)
+    second = decide(before, few, budget_spent=True)
     assert second.decision == "revert" and second.inconclusive
-    assert decide(before, few, max_extend_s=0.0).decision == "revert"
     enough = decide(before, few, config=GOODPUT.model_copy(update={"min_requests": 10}))
     # a config key, not a constant: 15 requests suffice, and the goodput (2 → 0.5 req/s) decides
     assert enough.decision == "revert" and not enough.inconclusive and "worse" in enough.reason
@@ -176,8 +195,8 @@ def test_too_few_requests_before_is_inconclusive_at_once() -> None:
 
 def test_goodput_counting_tokens_is_in_tokens_per_second() -> None:
     tokens = GOODPUT.model_copy(update={"count": "tokens"})
-    v = decide(window(attainment=0.97), window(attainment=0.99), config=tokens)
-    assert v.unit == "tok/s" and v.after == pytest.approx(198.0) and v.decision == "keep"
+    v = decide(window(attainment=0.97), window(rate=2.5, attainment=0.99), config=tokens)
+    assert v.unit == "tok/s" and v.after == pytest.approx(247.5) and v.decision == "keep"
     assert v.goal is not None and v.goal.fields()["objective_unit"] == "tok/s"
 
 
@@ -203,11 +222,12 @@ def test_a_throughput_objective_ignores_attainment_but_reports_it() -> None:
     assert v.service["feasible_after"] is False
 
 
-def test_goodput_interval_is_the_bootstrap_of_per_poll_goodput() -> None:
+def test_goodput_interval_is_that_of_the_mean_per_poll_goodput() -> None:
     before, after = window(attainment=0.97), window(attainment=0.99)
     v = decide(before, after)
     goal = Goodput()
-    assert v.interval == ratio_interval(goal.samples(before) or (), goal.samples(after) or ())
+    interval = mean_ratio_interval(goal.samples(before) or (), goal.samples(after) or (), confidence=0.95)
+    assert interval is not None and v.interval == (interval.lo, interval.hi)
 
 
 # -- through tune/trials: what trial.decided journals ---------------------------------------------------
@@ -273,15 +293,20 @@ def test_trial_decided_carries_the_objective_both_windows_service_levels_and_the
     assert (decided["goodput_before"], decided["goodput_after"]) == (1.94, 1.8)
     assert (decided["feasible_before"], decided["feasible_after"]) == (True, False)
     assert decided["goodput_unit"] == "req/s" and decided["attainment_target"] == 0.95
-    low, high = decided["ratio_interval_90"]
-    assert low <= 1.8 / 1.94 <= high
+    low, high = decided["ratio_interval"]
+    assert low - 1e-4 <= 1.8 / 1.94 <= high + 1e-4  # rounded to 4 digits
+    assert decided["evidence"] == "no difference" and decided["confidence"] == 0.95
+    assert decided["figures"]["n_after"] == 30 and decided["figures"]["min_detectable_effect"] is not None
+    assert decided["windows"]["extensions"] == 0 and decided["windows"]["window_s"] == 30.0
     assert decided["objective_reason"] is None
 
 
 def test_trial_decided_says_why_goodput_configured_is_not_what_was_compared(tmp_path: Path) -> None:
     rig = judged_trial(tmp_path, window(rate=2.0, attainment=0.90), {})  # goodput by default, no targets
     decided = rig.last("trial.decided")
-    assert decided["objective"] == "throughput.generation" and decided["decision"] == "kept"
+    # the same throughput before and after: no difference, not kept (issue 22)
+    assert decided["objective"] == "throughput.generation" and decided["decision"] == "reverted"
+    assert decided["evidence"] == "no difference"
     assert decided["objective_reason"].startswith("goodput has no targets")
     assert decided["attainment_after"] is None  # nothing to attain without targets
 
@@ -292,11 +317,11 @@ def test_trial_decided_says_why_goodput_configured_is_not_what_was_compared(tmp_
 def test_a_kept_goodput_trial_is_remembered_with_the_unit_of_what_it_counted(tmp_path: Path) -> None:
     experience = Experience(experience_path(tmp_path / "state"))
     objective = {"ttft_s": 1.0, "count": "tokens"}
-    rig = judged_trial(tmp_path, window(attainment=0.99), objective, experience)
+    rig = judged_trial(tmp_path, window(rate=2.5, attainment=0.99), objective, experience)
     assert rig.last("trial.decided")["decision"] == "kept"
     (entry,) = experience.entries()
     assert (entry.kind, entry.objective_name, entry.objective_unit) == ("trial", "slo.goodput", "tok/s")
-    assert entry.objective == pytest.approx(198.0)
+    assert entry.objective == pytest.approx(247.5)
     assert entry.figures["goodput_unit"] == "tok/s" and entry.figures["attainment_after"] == 0.99
 
 

@@ -5,28 +5,29 @@ from __future__ import annotations
 
 import math
 import random
-import statistics
 from dataclasses import replace
 from typing import Any, Literal
 
 import pytest
 
+from tunerd.cli.story import trial_decided
 from tunerd.config import TuningConfig
 from tunerd.core.engine_sample import EngineSample, Histogram
 from tunerd.core.signal_window import SignalWindow
+from tunerd.core.stats import mean_ratio_interval
 from tunerd.policy.evidence import (
     WINDOW_SIGNALS,
     Point,
     Spread,
     WindowStats,
     load_differs,
-    ratio_interval,
     signal_values,
     spread,
     window_signals,
     window_stats,
 )
 from tunerd.policy.verdict import Verdict, judge
+from tunerd.tune.trials import Windows
 
 BOUNDS = (0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, math.inf)
 # All observations in one bucket (lower, le]: p95 = lower + 0.95 × (le − lower).
@@ -105,11 +106,16 @@ def verdict(
     *,
     purpose: Literal["performance", "safety"] = "performance",
     eased: bool = True,
-    extended: bool = False,
+    budget_spent: bool = False,
     **settings: Any,
 ) -> Verdict:
     return judge(
-        before, after, tuning=TuningConfig(**settings), purpose=purpose, eased=eased, extended=extended
+        before,
+        after,
+        tuning=TuningConfig(**settings),
+        purpose=purpose,
+        eased=eased,
+        budget_spent=budget_spent,
     )
 
 
@@ -293,20 +299,16 @@ def test_saturated_better_throughput_with_the_condition_eased_is_kept() -> None:
     assert (result.before, result.after) == (pytest.approx(100.0), pytest.approx(120.0))
 
 
-def test_saturated_throughput_within_the_tolerance_with_the_condition_eased_is_kept() -> None:
-    assert verdict(saturated(), saturated(gen_per_s=97.0, req_per_s=1.94)).decision == "keep"
+def test_saturated_throughput_within_the_tolerance_is_no_difference_and_reverted() -> None:
+    # Issue 22: a performance change that buys nothing the evidence can see is not kept.
+    result = verdict(saturated(), saturated(gen_per_s=103.0, req_per_s=2.06))
+    assert (result.decision, result.evidence) == ("revert", "no difference")
 
 
 def test_saturated_better_throughput_without_the_condition_easing_is_reverted() -> None:
     result = verdict(saturated(), saturated(gen_per_s=120.0, req_per_s=2.4), eased=False)
     assert result.decision == "revert"
     assert "did not ease" in result.reason
-
-
-def test_saturated_the_verdict_carries_the_bootstrap_interval() -> None:
-    before, after = saturated(noise=0.2, seed=1), saturated(gen_per_s=120.0, req_per_s=2.4, noise=0.2, seed=2)
-    result = verdict(before, after)
-    assert result.interval == ratio_interval(before.throughput_samples, after.throughput_samples)
 
 
 # -- unsaturated: latency decides ------------------------------------------------------------------
@@ -349,31 +351,42 @@ def test_a_load_change_extends_the_window_first() -> None:
 
 
 def test_a_load_change_after_extending_reverts_a_performance_change_as_inconclusive() -> None:
-    result = verdict(saturated(), saturated(prompt_per_req=400.0), extended=True)
+    result = verdict(saturated(), saturated(prompt_per_req=400.0), budget_spent=True)
     assert (result.decision, result.inconclusive) == ("revert", True)
 
 
 def test_a_load_change_after_extending_keeps_a_safety_change_whose_condition_eased() -> None:
-    result = verdict(saturated(), saturated(prompt_per_req=400.0), extended=True, purpose="safety")
+    result = verdict(saturated(), saturated(prompt_per_req=400.0), budget_spent=True, purpose="safety")
     assert (result.decision, result.inconclusive) == ("keep", True)
 
 
 def test_a_load_change_after_extending_reverts_a_safety_change_whose_condition_did_not_ease() -> None:
     result = verdict(
-        saturated(), saturated(prompt_per_req=400.0), extended=True, purpose="safety", eased=False
+        saturated(), saturated(prompt_per_req=400.0), budget_spent=True, purpose="safety", eased=False
     )
     assert result.decision == "revert"
 
 
 def test_a_load_change_keeps_no_safety_change_that_broke_a_latency_limit() -> None:
     after = saturated(prompt_per_req=400.0, ttft_le=TTFT_SLOW)
-    result = verdict(saturated(), after, extended=True, purpose="safety", ttft_p95_max_s=0.5)
+    result = verdict(saturated(), after, budget_spent=True, purpose="safety", ttft_p95_max_s=0.5)
     assert result.decision == "revert"
 
 
 def test_a_load_change_is_not_extended_when_extending_is_off() -> None:
-    result = verdict(saturated(), saturated(prompt_per_req=400.0), max_extend_s=0)
+    off = Windows(window_s=30.0, max_extend_s=0.0)
+    result = verdict(saturated(), saturated(prompt_per_req=400.0), budget_spent=off.spent)
     assert (result.decision, result.inconclusive) == ("revert", True)
+
+
+def test_the_window_doubles_at_each_extension_until_the_budget_is_spent() -> None:
+    windows = Windows(window_s=60.0, max_extend_s=400.0)
+    lengths = [windows.length]
+    while not windows.spent:
+        windows = windows.extend()
+        lengths.append(windows.length)
+    assert lengths == [60.0, 120.0, 240.0, 460.0]  # the last step is what the budget had left
+    assert windows.extensions == 3
 
 
 def test_a_load_change_in_requests_outstanding_extends_when_saturated() -> None:
@@ -427,35 +440,56 @@ def test_a_safety_change_whose_condition_did_not_ease_is_reverted() -> None:
     assert verdict(saturated(), saturated(), purpose="safety", eased=False).decision == "revert"
 
 
-# -- the bootstrap ---------------------------------------------------------------------------------
+# -- the evidence ----------------------------------------------------------------------------------
 
 
-def noisy(seed: int, level: float = 100.0) -> tuple[float, ...]:
-    return saturated(gen_per_s=level, req_per_s=level / 50, noise=0.3, seed=seed).throughput_samples
+def noisy(seed: int, level: float = 100.0) -> WindowStats:
+    return saturated(gen_per_s=level, req_per_s=level / 50, noise=0.3, seed=seed)
 
 
-def test_the_bootstrap_interval_is_the_same_for_the_same_samples() -> None:
+def test_the_verdict_carries_the_interval_of_the_mean_ratio_and_its_samples() -> None:
     before, after = noisy(1), noisy(2, 110.0)
-    assert ratio_interval(before, after) == ratio_interval(list(before), list(after))
+    result = verdict(before, after)
+    interval = mean_ratio_interval(before.throughput_samples, after.throughput_samples, confidence=0.95)
+    assert interval is not None and result.interval == (interval.lo, interval.hi)
+    assert (result.figures["n_before"], result.figures["n_after"]) == (30, 30)
+    assert result.figures["effective_n_before"] is not None and result.figures["min_detectable_effect"] > 0
 
 
-def test_the_bootstrap_interval_brackets_the_point_estimate() -> None:
-    before, after = noisy(3), noisy(4, 110.0)
-    low, high = ratio_interval(before, after) or (math.nan, math.nan)
-    point = statistics.median(after) / statistics.median(before)
-    assert low <= point <= high
-    assert low < high
+def test_a_gain_the_noise_cannot_tell_extends_the_window_then_is_no_difference() -> None:
+    before, after = noisy(3), noisy(4, 106.0)  # ±30 % per poll over 30 polls: a 6 % gain is not told
+    assert verdict(before, after).decision == "extend"
+    spent = verdict(before, after, budget_spent=True)
+    assert (spent.decision, spent.evidence) == ("revert", "no difference (budget spent)")
 
 
-def test_the_bootstrap_interval_of_a_clear_gain_lies_above_one() -> None:
-    low, _ = ratio_interval(noisy(5), noisy(6, 150.0)) or (math.nan, math.nan)
-    assert low > 1.0
+def test_a_clear_gain_is_better_and_kept() -> None:
+    result = verdict(noisy(5), noisy(6, 150.0))
+    assert (result.decision, result.evidence) == ("keep", "better")
 
 
-def test_no_bootstrap_interval_without_samples() -> None:
-    assert ratio_interval([], [1.0, 2.0]) is None
-    assert ratio_interval([1.0, 2.0], []) is None
+def test_the_story_of_a_decided_trial_says_its_evidence_and_interval() -> None:
+    record = {
+        "trial": 3, "rule": "kv", "decision": "reverted", "param": "max_num_seqs", "old": 32, "new": 16,
+        "reason": "no difference", "evidence": "no difference (budget spent)",
+        "ratio_interval": [0.98, 1.07], "confidence": 0.95,
+    }  # fmt: skip
+    text = trial_decided(record)
+    assert "(evidence: no difference (budget spent))" in text and "95% interval 0.98–1.07" in text
+    old = {**record, "ratio_interval": None, "ratio_interval_90": [0.9, 1.1], "confidence": None}
+    assert "90% interval 0.90–1.10" in trial_decided({k: v for k, v in old.items() if v is not None})
 
 
-def test_no_bootstrap_interval_with_a_zero_median_before() -> None:
-    assert ratio_interval([0.0, 0.0, 0.0], [1.0, 2.0, 3.0]) is None
+def test_a_straddle_is_not_extended_when_the_condition_did_not_ease() -> None:
+    # No evidence could make it a keep: reverted at once, not after the extension budget.
+    before, after = noisy(3), noisy(4, 106.0)
+    result = verdict(before, after, eased=False)
+    assert (result.decision, result.evidence) == ("revert", "no difference")
+    assert "did not ease" in result.reason
+
+
+def test_the_same_throughput_without_the_condition_easing_says_both() -> None:
+    result = verdict(saturated(), saturated(), eased=False)
+    assert (
+        result.decision == "revert" and "no difference" in result.reason and "did not ease" in result.reason
+    )

@@ -57,6 +57,9 @@ def render_status(doc: dict[str, Any]) -> str:
             lines.append(f"  baseline: {figures}")
             if tuning.get("baseline_why"):
                 lines.append(f"    from: {tuning['baseline_why']}")
+        noise = tuning.get("noise")
+        if isinstance(noise, dict):
+            lines.append(noise_line(noise))
         probe = tuning.get("probe") or {}
         if probe.get("last"):
             lines.append(f"  last probe ({probe['age_s']:.0f} s ago): {probe_line(probe['last'])}")
@@ -84,6 +87,17 @@ def render_status(doc: dict[str, Any]) -> str:
         lines.append("signals:")
         lines.extend(_signal_lines(signals))
     return "\n".join(lines)
+
+
+def noise_line(noise: dict[str, Any]) -> str:
+    """The noise meter: the objective's spread over the last trial window, what such a window can tell."""
+    need = noise.get("window_for_tolerance_s")
+    needed = f"{_duration(need)} windows would detect {noise['tolerance']:.0%}" if need else "no window would"
+    return (
+        f"  noise: {noise['objective']} known to ±{noise['relative_noise']:.1%} over {noise['window_s']:g} s "
+        f"({noise['effective_samples']:g} effective of {noise['samples']} polls); a trial window of that "
+        f"length detects ≥ {noise['min_detectable_effect']:.1%}; {needed}"
+    )
 
 
 def _signal_lines(signals: dict[str, Any]) -> list[str]:

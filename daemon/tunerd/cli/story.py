@@ -93,9 +93,13 @@ def _proposed_by(r: Record) -> str:
 def trial_decided(r: Record) -> str:
     decision = str(r.get("decision", "?")).upper()
     text = f"trial #{r.get('trial')} {decision}: {_change(r)} — {r.get('reason')}"
-    if r.get("ratio_interval_90"):
-        low, high = r["ratio_interval_90"]
-        text += f" [after/before 90% interval {low:.2f}–{high:.2f}]"
+    if r.get("evidence"):
+        text += f" (evidence: {r['evidence']})"
+    interval = r.get("ratio_interval") or r.get("ratio_interval_90")  # the latter: journals before issue 22
+    if interval:
+        low, high = interval
+        share = r.get("confidence", 0.9)
+        text += f" [after/before {share:.0%} interval {low:.2f}–{high:.2f}]"
     if r.get("after"):
         text += f"; after: {_window(r.get('after'))}"
     return text

@@ -302,13 +302,16 @@ class TuningConfig(_Section):
     rules: Path | None = None  # None: rules.toml beside the config file, if there is one
     warmup_s: float = Field(default=20.0, ge=0)
     window_s: PositiveSeconds = 60.0
-    max_extend_s: float = Field(default=60.0, ge=0)
+    # The after window's extension budget in all (it doubles, tune/trials.Windows) when the evidence
+    # cannot tell yet or the offered load changed (policy/verdict.py).
+    max_extend_s: float = Field(default=3780.0, ge=0)
     # Deprecated: `[objective] kind` is the one place (config/objective.py). After loading, this holds the
     # configured kind's objective, what a trial compares when it is in force (policy/verdict.py).
     objective: Literal["throughput.generation", "ttft.p95", "itl.p95", "e2e.p95", "slo.goodput"] = (
         "throughput.generation"
     )
     tolerance: float = Field(default=0.05, ge=0, lt=1)
+    confidence: float = Field(default=0.95, gt=0.5, lt=1)  # of the intervals a trial's verdict acts on
     load_tolerance: float = Field(default=0.25, gt=0, lt=1)
     saturated_waiting: float = Field(default=0.5, ge=0)
     saturated_kv_usage: float = Field(default=0.9, gt=0, le=1)

@@ -141,6 +141,7 @@ def tuning_status(tuner: Tuner, now: float) -> dict[str, Any]:
         "baseline_why": tuner.memory.state.baseline_why if tuner.memory.baseline else None,
         "exploration": tuner.explorer.status(now) if tuner.explorer is not None else None,
         "probe": _probe_view(tuner, now),
+        "noise": tuner.noise(now),  # the objective's noise for the configuration in force, and the MDE
         "tabu": [e.model_dump() for e in tuner.memory.state.tabu if e.until > wall],
         "rules": [_rule_view(tuner, rule, now) for rule in tuner.rules],
         "fleet": _fleet_view(tuner),

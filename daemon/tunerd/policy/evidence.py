@@ -1,24 +1,24 @@
 """The evidence of one window of one engine run, from its per-poll samples (pure).
 
-A trial compares like with like: *before* is the window that fired the rule, *after* a window of the
-same length under the new flags, each of one engine run only (never a rolling window that straddles the
-restart).
+A trial compares like with like: *before* is the window that fired the rule (grown with the after window
+as far as its run served), *after* a window under the new flags, each of one engine run only (never a
+rolling window that straddles the restart).
 
 Every named figure of a window (docs/signals.md) is computed by `SignalWindow` (core/signal_window.py),
 the code that computes the rules' live signals, replayed over the window's polls (`window_signals`):
 `requests.waiting` is the last poll's value here as it is for a rule, `throughput.generation` the
 counter's increase per second. What the verdict needs beside them is computed here: the per-poll
 throughput (the increase of `vllm:generation_tokens_total` between consecutive polls) gives a spread —
-median and quartiles — and the samples a bootstrap resamples; per-request sizes compare the offered load.
+median and quartiles — and the samples whose mean and noise the verdict weighs (core/stats.py:
+the noise over the effective samples of an autocorrelated series); per-request sizes compare the offered load.
 The front door's per-request counters (core/slo.readings: `slo.requests_total`, `slo.good_total`,
 `slo.good_tokens_total`) give the window's own requests, attainment and goodput (`SloCounts`) — exact for
 the window, where the `slo.*` signals are the last poll's view of `observe.window_s` — and per-poll
-goodput for the same bootstrap.
+goodput for the same interval.
 """
 
 from __future__ import annotations
 
-import random
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -78,7 +78,7 @@ class Spread:
 class SloCounts:
     """The front door's requests in one window, from the increases of its counters between the window's
     polls: `requests` counted, `good` among them (every target met), their output `good_tokens`, over
-    `seconds`; `good_per_s`/`good_tokens_per_s` the same per poll interval (for a bootstrap)."""
+    `seconds`; `good_per_s`/`good_tokens_per_s` the same per poll interval (for its noise)."""
 
     requests: float
     good: float
@@ -138,8 +138,8 @@ class WindowStats:
     (`prompt_rate` = `throughput.prompt`, `ttft_p95` = `ttft.p95`, ...) are read from it, so that the
     verdict's figures and the rules' are one statistic per name; `waiting_avg` is the requests waiting
     for vLLM anywhere (`requests.waiting_avg` + `door.waiting_avg`: the offered load).
-    `throughput` and `throughput_samples` are the per-poll rates, for a spread and a bootstrap; `slo`
-    the front door's requests in the window (None without the door's counters)."""
+    `throughput` and `throughput_samples` are the per-poll rates, for a spread and the interval of
+    their mean; `slo` the front door's requests in the window (None without the door's counters)."""
 
     start: float
     end: float
@@ -222,7 +222,7 @@ def window_stats(
     first, last = inside[0], inside[-1]
     if last.t - first.t <= 0:
         return None
-    per_poll = _per_poll_rates(inside, "generation_tokens_total")
+    per_poll = per_poll_rates(inside, "generation_tokens_total")
     if not per_poll:
         return None
     v = window_signals(points, first.t, last.t)
@@ -278,27 +278,7 @@ def spread(values: Sequence[float]) -> Spread:
     return Spread(q2, q1, q3, len(ordered))
 
 
-def ratio_interval(
-    before: Sequence[float], after: Sequence[float], *, resamples: int = 400, seed: int = 0
-) -> tuple[float, float] | None:
-    """A 90 % bootstrap interval of median(after) / median(before) (seeded: the same samples give the
-    same interval). None without samples or with a zero median before."""
-    if not before or not after:
-        return None
-    rng = random.Random(seed)
-    ratios = []
-    for _ in range(resamples):
-        b = statistics.median(rng.choices(before, k=len(before)))
-        a = statistics.median(rng.choices(after, k=len(after)))
-        if b > 0:
-            ratios.append(a / b)
-    if len(ratios) < resamples // 2:
-        return None
-    ratios.sort()
-    return ratios[int(0.05 * len(ratios))], ratios[int(0.95 * len(ratios)) - 1]
-
-
-def _per_poll_rates(points: Sequence[Point], name: str) -> list[float]:
+def per_poll_rates(points: Sequence[Point], name: str) -> list[float]:
     """Per-second increases of the counter `name` between consecutive polls that have a sample."""
     rates = []
     for a, b in pairwise(points):

@@ -59,8 +59,8 @@ class Objective:
         return None if self.probe_signal is None else signals.get(self.probe_signal)
 
     def samples(self, window: WindowStats) -> tuple[float, ...] | None:
-        """Per-poll samples of the statistic, for a bootstrap interval; None when it has none (a
-        latency quantile is one figure of the whole window)."""
+        """Per-poll samples of the statistic, for the interval of its mean (core/stats.py); None when it
+        has none (a latency quantile is one figure of the whole window)."""
         return None
 
     # -- comparing ----------------------------------------------------------------------------------
@@ -150,7 +150,7 @@ class Goodput(Objective):
     per second: `count = "tokens"`), measured by the front door (core/slo.py, signal `slo.goodput`).
     Meaningful with the attainment beside it: a configuration is feasible when `feasible(attainment,
     target)`; among feasible ones, more goodput is better (policy/verdict.py). In a trial's window its
-    figures are the window's own (`WindowStats.slo`, the door's counters), per poll for the bootstrap;
+    figures are the window's own (`WindowStats.slo`, the door's counters), per poll for the interval;
     the `slo.*` signals (the last poll's view of `observe.window_s`) where the window has no counters."""
 
     name: ClassVar[str] = "slo.goodput"

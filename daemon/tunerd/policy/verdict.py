@@ -1,49 +1,84 @@
 """Keep or revert a trial (pure): the before and after windows, the rule, the tuning settings and the
-`[objective]` in; a verdict with its reason and the figures that decided out.
+`[objective]` in; a verdict with its reason, the evidence and the figures that decided out.
 
-Like with like:
+Evidence before a decision (issue 22). A window's mean of autocorrelated per-poll samples is known only
+to its noise (core/stats.py: the standard error over the effective samples), and on this box one minute
+of a configuration's throughput is known to about ±6 % (docs/benchmarks.md: the defaults measured
+132–172 tok/s across four windows). So a performance change is judged on the interval of its
+objective's ratio after/before (`core.stats.mean_ratio_interval` of the per-poll samples, at
+`[tuning] confidence`), never on the two point figures alone, against `1 + tolerance`:
+- "better": the whole interval lies above 1 + tolerance → kept (when the rule's condition eased);
+- "worse": the whole interval lies below 1 − tolerance → reverted;
+- "no difference": the whole interval lies below 1 + tolerance but not below 1 − tolerance (the change
+  is within the tolerance, or worse by less than it could tell) → reverted: a change that buys nothing
+  the evidence can see is not worth its risk, and a restart back costs less than a wrong keep;
+- straddling 1 + tolerance: the evidence cannot tell yet → the after window is extended (`extend`; the
+  trial doubles it, up to `[tuning] max_extend_s` in all, tune/trials.Windows) and judged again; once
+  the budget is spent (`budget_spent`) → "no difference (budget spent)" → reverted. Not extended when
+  the rule's condition did not ease: no evidence could make it a keep ("no difference", reverted).
+A keep errs with at most (1 − confidence) / 2 at each look; the looks are few (the window doubles), and
+the simulation of tests/unit/test_verdict_noise.py measures what they add up to on this box's noise.
+A latency quantile (ITL p95, TTFT p95: one figure per window, no per-poll samples) has no interval: it
+is judged on its two figures against the same tolerance ("better", "worse", "no difference"), as before.
+
+Like with like, first:
 - the offered load must match (per-request sizes; outstanding requests when saturated, the request rate
-  otherwise); when it does not, the window is extended once (`extend`), then the result is
+  otherwise); when it does not, the window is extended while the budget lasts, then the result is
   inconclusive: a performance change is reverted, a safety change kept only if its condition eased;
 - a latency limit broken reverts any change (a throughput-only gate once kept a 6.6x latency
   regression: Hyperloom PR #1297);
-- a safety change is kept when its condition eased, whatever the objective (its figures are reported).
+- a safety change is kept when its condition eased, whatever the objective (its figures and evidence
+  are reported).
 
 The objective of a performance change is the one in force (`config/objective.in_force`): `tuning.objective`
 names the configured kind's; goodput applies only with targets and the front door, else throughput does
 and the verdict says why (`objective_reason`).
 
 Throughput (and the latency kinds): throughput measures capacity only when the engine is saturated in
-both windows; otherwise the latency at the offered load is the objective (ITL p95). The change is kept
-when the objective is not worse beyond `tolerance` and the triggering condition eased.
+both windows; otherwise the latency at the offered load is the objective (ITL p95). Its ratio is that of
+the windows' mean per-poll throughput.
 
 Goodput, from the door's requests in each window (`WindowStats.slo`): A = attainment (the share of
-requests that met every target), feasible = A >= `[objective] attainment`, G = goodput, tol = `tolerance`.
-1. fewer than `[objective] min_requests` requests in the after window: extended once (unless it was
-   already, or `max_extend_s` is 0), then inconclusive → reverted; too few in the before window:
-   inconclusive → reverted at once (a longer after window cannot add requests before the change);
-2. infeasible before, feasible after: kept, even when G fell (feasibility is the point of the targets);
-3. feasible before, infeasible after: reverted, even when G rose;
-4. both infeasible: kept when A_after > A_before × (1 + tol) (closer to the targets), else reverted;
-5. both feasible: reverted when G_after < G_before × (1 − tol), or when the triggering condition did not
-   ease (a change that did nothing for its rule is not kept for noise); else kept.
-The decision reads the windows' figures (as the throughput objective's does); `interval` is the 90 %
-bootstrap interval of median per-poll goodput after/before (throughput's likewise), journaled with it.
+requests that met every target: a proportion, each request a trial), feasible = A >= `[objective]
+attainment` (the point figure: what the operator's target reads), D = Newcombe's interval of
+A_after − A_before (core/stats.proportion_difference), G = per-poll goodput, tol = `tolerance`.
+1. fewer than `[objective] min_requests` requests in the after window: extended while the budget lasts,
+   then inconclusive → reverted; too few in the before window: inconclusive → reverted at once (a
+   longer after window cannot add requests before the change);
+2. infeasible before, feasible after: "better" (kept, even when G fell: feasibility is the point of the
+   targets) only when D lies wholly above 0 — the attainment rose beyond its noise; D straddling 0 →
+   extend, then "no difference (budget spent)" → reverted;
+3. feasible before, infeasible after: reverted at once ("worse" when D lies wholly below 0, else "no
+   difference"): no more evidence could make it a keep under rule 5's terms, and a restart back is the
+   safe side;
+4. both infeasible (closer to the targets, or not): "better" when D lies wholly above tol × A_before
+   (the old relative rule, on the interval's low end) → kept; "worse" when D lies wholly below
+   −tol × A_before, "no difference" when wholly below tol × A_before → reverted; straddling → extend,
+   then "no difference (budget spent)";
+5. both feasible: the ratio interval of mean per-poll goodput after/before, as throughput's above
+   (kept only "better" and when the triggering condition eased).
+`Verdict.evidence` says which ("better", "worse", "no difference", "no difference (budget spent)"),
+and `Verdict.figures` carries the interval, the samples (n and effective n each side), each window's
+relative noise and the minimum detectable effect the two windows implied (what `trial.decided` journals).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from tunerd.config import TuningConfig
 from tunerd.config.objective import InForce, ObjectiveConfig, in_force
+from tunerd.core import stats
 from tunerd.core.signal_window import quantile_bucket_of
-from tunerd.policy.evidence import WindowStats, load_differs, ratio_interval, relative_change
+from tunerd.policy.evidence import WindowStats, load_differs, relative_change
 from tunerd.policy.objective import Goodput, Objective, configured, feasible, for_trial
 
 Decision = Literal["keep", "revert", "extend"]
+# What the evidence says of a performance change (`Verdict.evidence`).
+Evidence = Literal["better", "worse", "no difference", "no difference (budget spent)"]
+SPENT: Evidence = "no difference (budget spent)"
 
 
 @dataclass(frozen=True)
@@ -53,7 +88,7 @@ class Verdict:
     objective: str = ""  # the objective's name (policy/objective.py); `unit` says what before/after are
     before: float | None = None
     after: float | None = None
-    interval: tuple[float, float] | None = None  # 90 % bootstrap interval of after/before (per poll)
+    interval: tuple[float, float] | None = None  # the interval of after/before (mean per poll), `figures`
     inconclusive: bool = False
     figures: dict[str, object] = field(default_factory=dict)
     unit: str = ""
@@ -61,6 +96,79 @@ class Verdict:
     # Both windows' service levels (`service_levels`): attainment, goodput, feasibility, requests.
     service: Mapping[str, object] = field(default_factory=dict)
     objective_reason: str = ""  # why the objective compared is not the configured one ("" when it is)
+    evidence: Evidence | None = None  # None: decided before any evidence was weighed (load, a limit)
+
+
+@dataclass(frozen=True)
+class Weighed:
+    """What the samples of two windows say of the ratio after/before against `1 ± tolerance`: the
+    evidence (None: the interval straddles 1 + tolerance — not yet told) and its figures."""
+
+    evidence: Evidence | None
+    interval: stats.Interval | None
+    figures: dict[str, object]
+
+
+def weigh_ratio(
+    before: Sequence[float], after: Sequence[float], *, tolerance: float, confidence: float, spent: bool
+) -> Weighed:
+    """The evidence of the ratio mean(after) / mean(before) (the module doc's rule), for an objective
+    where higher is better; `spent`: the extension budget is spent (a straddle is then "no difference
+    (budget spent)"). No interval (fewer than three samples a side, no positive mean): "no difference"."""
+    interval = stats.mean_ratio_interval(before, after, confidence=confidence)
+    figures = sample_figures(before, after, confidence=confidence)
+    figures["ratio_interval"] = interval.as_list() if interval is not None else None
+    if interval is None:
+        return Weighed("no difference", None, figures)
+    if interval.side_of(1 + tolerance) == "above":
+        return Weighed("better", interval, figures)
+    if interval.side_of(1 - tolerance) == "below":
+        return Weighed("worse", interval, figures)
+    if interval.side_of(1 + tolerance) == "below":
+        return Weighed("no difference", interval, figures)
+    return Weighed(SPENT if spent else None, interval, figures)
+
+
+def sample_figures(
+    before: Sequence[float], after: Sequence[float], *, confidence: float
+) -> dict[str, object]:
+    """The samples behind a ratio, for the journal: n and effective n on each side, each window's
+    relative noise and the minimum detectable effect the two imply (core/stats.py)."""
+    noise_b, noise_a = stats.relative_noise(before), stats.relative_noise(after)
+    mde = None
+    if noise_b is not None and noise_a is not None:
+        mde = round(stats.min_detectable_effect(noise_b, noise_a, confidence=confidence), 4)
+    return {
+        "confidence": confidence,
+        "n_before": len(before),
+        "n_after": len(after),
+        "effective_n_before": round(stats.effective_samples(before), 1) if len(before) >= 3 else None,
+        "effective_n_after": round(stats.effective_samples(after), 1) if len(after) >= 3 else None,
+        "noise_before": None if noise_b is None else round(noise_b, 4),
+        "noise_after": None if noise_a is None else round(noise_a, 4),
+        "min_detectable_effect": mde,
+    }
+
+
+def noise_meter(
+    samples: Sequence[float], *, window_s: float, tolerance: float, confidence: float
+) -> dict[str, object] | None:
+    """The noise meter (`tunerd status`): the relative noise of one window's mean of `samples` (the
+    last `window_s` of the configuration in force), the smallest change two such windows detect, and
+    the window length that would detect `tolerance`. None with too few samples."""
+    noise = stats.relative_noise(samples)
+    if noise is None:
+        return None
+    need = stats.window_for(tolerance, noise, window_s, confidence=confidence)
+    return {
+        "window_s": window_s,
+        "samples": len(samples),
+        "effective_samples": round(stats.effective_samples(samples), 1),
+        "relative_noise": round(noise, 4),
+        "min_detectable_effect": round(stats.min_detectable_effect(noise, noise, confidence=confidence), 4),
+        "tolerance": tolerance,
+        "window_for_tolerance_s": None if need == float("inf") else round(need, 1),
+    }
 
 
 def judge(
@@ -70,13 +178,14 @@ def judge(
     tuning: TuningConfig,
     purpose: Literal["performance", "safety"],
     eased: bool,
-    extended: bool,
+    budget_spent: bool,
     objective: ObjectiveConfig | None = None,
     door_enabled: bool = False,
 ) -> Verdict:
     """Decide a trial from its two windows (the module doc states the rules). `eased`: the triggering
-    condition eased (rules.eased); `extended`: the after window was already extended once; `objective`
-    and `door_enabled`: `[objective]` and whether the door measures it (None: no targets)."""
+    condition eased (rules.eased); `budget_spent`: the after window may not be extended again (its
+    budget, `max_extend_s`, is spent); `objective` and `door_enabled`: `[objective]` and whether the door
+    measures it (None: no targets)."""
     config = objective if objective is not None else ObjectiveConfig()
     applies = objective_in_force(tuning, config, door_enabled)
     service = service_levels(before, after, config)
@@ -89,7 +198,7 @@ def judge(
 
     differs = load_differs(before, after, tuning.load_tolerance)
     if differs is not None:
-        if not extended and tuning.max_extend_s > 0:
+        if not budget_spent:
             return early("extend", f"the offered load changed ({differs}): window extended")
         if purpose == "safety" and eased and not _limit_broken(before, after, tuning):
             return early("keep", f"inconclusive ({differs}), but the safety condition eased", True)
@@ -103,37 +212,101 @@ def judge(
     else:
         goal = for_trial(applies.name, before, after, tuning.tolerance)
     b, a = goal.of(before), goal.of(after)
-    interval = _interval(goal.samples(before), goal.samples(after))
-    figures = {"saturated_before": before.saturated, "saturated_after": after.saturated}
+    samples_b, samples_a = goal.samples(before), goal.samples(after)
+    weighed = None
+    if samples_b is not None and samples_a is not None:
+        weighed = weigh_ratio(
+            samples_b, samples_a, tolerance=tuning.tolerance, confidence=tuning.confidence, spent=budget_spent
+        )
+    interval = weighed.interval if weighed is not None else None
+    figures: dict[str, object] = {"saturated_before": before.saturated, "saturated_after": after.saturated}
+    if weighed is not None:
+        figures.update(weighed.figures)
 
-    def verdict(decision: Decision, reason: str, inconclusive: bool = False) -> Verdict:
+    def verdict(
+        decision: Decision, reason: str, evidence: Evidence | None, inconclusive: bool = False
+    ) -> Verdict:
+        pair = (interval.lo, interval.hi) if interval is not None else None
         return Verdict(
-            decision, reason, goal.name, b, a, interval, inconclusive, figures, goal.unit, goal,
-            service, applies.reason,
+            decision, reason, goal.name, b, a, pair, inconclusive, figures, goal.unit, goal,
+            service, applies.reason, evidence,
         )  # fmt: skip
 
     if purpose == "safety":
+        said = weighed.evidence if weighed is not None else None
         if eased:
-            return verdict("keep", "the safety condition eased")
-        return verdict("revert", "the safety condition did not ease")
+            return verdict("keep", "the safety condition eased", said)
+        return verdict("revert", "the safety condition did not ease", said)
     if goodput:
-        decision, reason, inconclusive = _by_goodput(
-            before, after, goal, config, eased=eased, extended=extended, max_extend_s=tuning.max_extend_s
+        decision, reason, evidence, inconclusive = _by_goodput(
+            before,
+            after,
+            goal,
+            config,
+            weighed,
+            eased=eased,
+            spent=budget_spent,
+            confidence=tuning.confidence,
         )
-        return verdict(decision, reason, inconclusive)
-    name = goal.name
+        figures.update(_attainment_figures(before, after, tuning.confidence))
+        return verdict(decision, reason, evidence, inconclusive)
+    if weighed is None:
+        evidence = _by_figures(goal, b, a)
+        if evidence is None:
+            return verdict("revert", f"{goal.name} unknown in a window", None)
+    else:
+        evidence = _unless_hopeless(weighed.evidence, eased)
+    decision, reason = _act_on(evidence, goal, b, a, interval, eased=eased, tolerance=tuning.tolerance)
+    return verdict(decision, reason, evidence)
+
+
+def _unless_hopeless(evidence: Evidence | None, eased: bool) -> Evidence | None:
+    """A straddle is extended only where a keep is still possible: not when the triggering condition did
+    not ease (a performance change is then never kept) — said "no difference" (none was told)."""
+    return "no difference" if evidence is None and not eased else evidence
+
+
+def _by_figures(goal: Objective, b: float | None, a: float | None) -> Evidence | None:
+    """The evidence of an objective without per-poll samples (a latency quantile): its two figures
+    against the tolerance; None when unknown."""
     worse = goal.worse(a, b)
     if worse is None:
-        return verdict("revert", f"{name} unknown in a window")
+        return None
     if worse:
-        change = relative_change(b, a)
-        text = f"{name} worse: {b:.4g} → {a:.4g} ({change:+.1%}, tolerance {tuning.tolerance:.0%})"  # type: ignore[str-format]
-        return verdict("revert", text)
-    if not eased:
-        return verdict("revert", "the triggering condition did not ease")
+        return "worse"
+    return "better" if goal.better(a, b) else "no difference"
+
+
+def _act_on(
+    evidence: Evidence | None,
+    goal: Objective,
+    b: float | None,
+    a: float | None,
+    interval: stats.Interval | None,
+    *,
+    eased: bool,
+    tolerance: float,
+) -> tuple[Decision, str]:
+    """What a performance change's evidence decides (module doc), with the reason an operator reads."""
     change = relative_change(b, a)
-    text = f"{name} {b:.4g} → {a:.4g} ({change:+.1%}), condition eased" if change is not None else "kept"  # type: ignore[str-format]
-    return verdict("keep", text)
+    moved = f"{goal.name} {goal.describe(b)} → {goal.describe(a)}"
+    if change is not None:
+        moved += f" ({change:+.1%})"
+    if interval is not None:
+        moved += f", ratio interval [{interval.lo:.3f}, {interval.hi:.3f}]"
+    if evidence is None:
+        return "extend", f"{moved} straddles 1 + tolerance {tolerance:.0%}: window extended"
+    if evidence != "worse" and not eased:  # no keep was possible whatever the evidence
+        return "revert", f"{moved}: {evidence}; the triggering condition did not ease"
+    if evidence == "better":
+        if not eased:
+            return "revert", f"{moved} better, but the triggering condition did not ease"
+        return "keep", f"{moved} better beyond the tolerance {tolerance:.0%}, condition eased"
+    if evidence == "worse":
+        return "revert", f"{moved} worse beyond the tolerance {tolerance:.0%}"
+    if evidence == SPENT:
+        return "revert", f"{moved}: no difference the evidence could tell (extension budget spent)"
+    return "revert", f"{moved}: no difference beyond the tolerance {tolerance:.0%}"
 
 
 def objective_in_force(tuning: TuningConfig, objective: ObjectiveConfig, door_enabled: bool) -> InForce:
@@ -166,56 +339,98 @@ def _by_goodput(
     after: WindowStats,
     goal: Objective,
     objective: ObjectiveConfig,
+    weighed: Weighed | None,
     *,
     eased: bool,
-    extended: bool,
-    max_extend_s: float,
-) -> tuple[Decision, str, bool]:
-    """(decision, reason, inconclusive) of a performance change under goodput (rules 1-5, module doc)."""
+    spent: bool,
+    confidence: float,
+) -> tuple[Decision, str, Evidence | None, bool]:
+    """(decision, reason, evidence, inconclusive) of a performance change under goodput (rules 1-5,
+    module doc)."""
     least = objective.min_requests
     n_before, n_after = Goodput.requests(before) or 0, Goodput.requests(after) or 0
     if n_before < least:
         text = f"{n_before:.0f} requests before the change (min_requests {least})"
-        return "revert", f"inconclusive: {text}", True
+        return "revert", f"inconclusive: {text}", None, True
     if n_after < least:
         text = f"{n_after:.0f} requests after the change (min_requests {least})"
-        if not extended and max_extend_s > 0:
-            return "extend", f"too few requests to judge: {text}: window extended", False
-        return "revert", f"inconclusive: {text}", True
+        if not spent:
+            return "extend", f"too few requests to judge: {text}: window extended", None, False
+        return "revert", f"inconclusive: {text}", None, True
     share_b, share_a = Goodput.attainment(before), Goodput.attainment(after)
     target = objective.attainment
     ok_b, ok_a = feasible(share_b, target), feasible(share_a, target)
     if ok_b is None or ok_a is None or share_b is None or share_a is None:
-        return "revert", "attainment unknown in a window (no targets?)", False
+        return "revert", "attainment unknown in a window (no targets?)", None, False
     shares = f"attainment {share_b:.1%} → {share_a:.1%} (target {target:.0%})"
     b, a = goal.of(before), goal.of(after)
     good = f"{goal.name} {goal.describe(b)} → {goal.describe(a)}"
-    if ok_a and not ok_b:
-        return "keep", f"feasible now: {shares}; {good}", False
-    if ok_b and not ok_a:
-        return "revert", f"no longer feasible: {shares}; {good}", False
-    if not ok_b:  # both infeasible: closer to the targets, or not
-        if share_a > share_b * (1 + goal.tolerance):
-            return "keep", f"still infeasible, but {shares} improved beyond the tolerance", False
-        return "revert", f"still infeasible and {shares} did not improve beyond the tolerance", False
-    worse = goal.worse(a, b)
-    if worse is None:
-        return "revert", f"{goal.name} unknown in a window", False
-    change = relative_change(b, a)
-    moved = f"{good} ({change:+.1%})" if change is not None else good
-    if worse:
-        return "revert", f"feasible, but {moved} worse beyond the tolerance {goal.tolerance:.0%}", False
-    if not eased:
-        return "revert", f"feasible, {moved}, but the triggering condition did not ease", False
-    return "keep", f"feasible ({shares}), {moved}, condition eased", False
+    if ok_b and ok_a:  # rule 5: the goodput ratio, as throughput's
+        if weighed is None:
+            evidence = _by_figures(goal, b, a)
+            if evidence is None:
+                return "revert", f"{goal.name} unknown in a window", None, False
+        else:
+            evidence = _unless_hopeless(weighed.evidence, eased)
+        interval = weighed.interval if weighed is not None else None
+        decision, reason = _act_on(evidence, goal, b, a, interval, eased=eased, tolerance=goal.tolerance)
+        return decision, f"feasible ({shares}), {reason}", evidence, False
+    diff = _attainment_difference(before, after, confidence)
+    if diff is None:
+        return "revert", "attainment unknown in a window (no requests?)", None, False
+    told = f"{shares}, difference [{diff.lo:+.3f}, {diff.hi:+.3f}]"
+    if ok_b:  # rule 3: feasible → infeasible
+        evidence: Evidence = "worse" if diff.side_of(0.0) == "below" else "no difference"
+        return "revert", f"no longer feasible: {told}; {good}", evidence, False
+    if ok_a:  # rule 2: infeasible → feasible
+        if diff.side_of(0.0) == "above":
+            return "keep", f"feasible now: {told}; {good}", "better", False
+        if not spent:
+            return (
+                "extend",
+                f"feasible now by the point figure, but {told} straddles 0: window extended",
+                None,
+                False,
+            )
+        return "revert", f"feasible by the point figure only: {told} (budget spent)", SPENT, False
+    margin = goal.tolerance * share_b  # rule 4: both infeasible
+    if diff.side_of(margin) == "above":
+        return "keep", f"still infeasible, but {told} improved beyond the tolerance", "better", False
+    if diff.side_of(margin) == "below":
+        evidence = "worse" if diff.side_of(-margin) == "below" else "no difference"
+        return "revert", f"still infeasible and {told} did not improve beyond the tolerance", evidence, False
+    if not spent:
+        return "extend", f"still infeasible; {told} straddles the tolerance: window extended", None, False
+    return "revert", f"still infeasible; {told}: no difference told (budget spent)", SPENT, False
 
 
-def _interval(
-    before: tuple[float, ...] | None, after: tuple[float, ...] | None
-) -> tuple[float, float] | None:
-    """The bootstrap interval of after/before where the objective has per-poll samples (throughput,
-    goodput)."""
-    return None if before is None or after is None else ratio_interval(before, after)
+def _attainment_difference(
+    before: WindowStats, after: WindowStats, confidence: float
+) -> stats.Interval | None:
+    """Newcombe's interval of attainment after − before, from the windows' counted requests and the
+    share of them that were good (the door's counters; the `slo.*` signals where a window has none)."""
+    counts = []
+    for window in (before, after):
+        n, share = Goodput.requests(window), Goodput.attainment(window)
+        if n is None or share is None:
+            return None
+        counts.append((share * n, n))
+    (good_b, n_b), (good_a, n_a) = counts
+    return stats.proportion_difference(good_b, n_b, good_a, n_a, confidence=confidence)
+
+
+def _attainment_figures(before: WindowStats, after: WindowStats, confidence: float) -> dict[str, object]:
+    """The attainment's intervals for the journal: each window's Wilson interval and the difference's."""
+    out: dict[str, object] = {}
+    for name, window in (("before", before), ("after", after)):
+        n, share = Goodput.requests(window), Goodput.attainment(window)
+        ci = (
+            stats.wilson(share * n, n, confidence=confidence) if n is not None and share is not None else None
+        )
+        out[f"attainment_interval_{name}"] = ci.as_list() if ci is not None else None
+    diff = _attainment_difference(before, after, confidence)
+    out["attainment_difference_interval"] = diff.as_list() if diff is not None else None
+    return out
 
 
 def _limit_broken(before: WindowStats, after: WindowStats, tuning: TuningConfig) -> str | None:

@@ -2,9 +2,13 @@
 
 A `Trial` is the `Subject` of its `Experiment` (tune/experiment.py), which runs the phases and the
 change (the planner, the request, the warm-up, the outcomes, keep or revert). The trial says what to
-apply — the proposal, by a restart —, measures the *after* window, of the before window's length, of
-the change's run only, and judges it by the objective in force (policy/verdict.py: goodput with its
-targets and the door, else throughput, `objective_reason` saying why): kept (the parameters become
+apply — the proposal, by a restart —, measures the *after* window of the change's run only, and judges
+it by the objective in force (policy/verdict.py: goodput with its targets and the door, else throughput,
+`objective_reason` saying why) on the evidence of both windows: while it cannot tell, the after window
+doubles (`Windows`: `[tuning] window_s`, then twice that, ... up to `max_extend_s` more in all) and the
+before window grows with it, as far back as the run before the change served past its warm-up (the
+same run's polls; the tuner's `before_for`), so that the evidence on both sides grows together.
+Kept (the parameters become
 last-known-good and the new baseline) or reverted (the value goes tabu; a rule that keeps losing is
 muted). It tells
 its story in the journal: `trial.refused`, `trial.started`, `trial.extended`, `trial.decided`,
@@ -16,7 +20,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import structlog
@@ -38,6 +42,59 @@ from tunerd.tune.memory import TuningMemory
 from tunerd.tune.recall import Recall
 
 log = structlog.get_logger("tunerd")
+
+
+@dataclass(frozen=True)
+class Windows:
+    """A trial's window length and its extension budget (pure): the first window is `window_s`; each
+    extension doubles it (the evidence of a mean grows as √length: doubling buys as much at each look,
+    and the few looks keep the chance of a keep on noise near the interval's own), until `max_extend_s`
+    more in all are spent."""
+
+    window_s: float
+    max_extend_s: float
+    extended_s: float = 0.0
+    extensions: int = 0
+
+    @property
+    def length(self) -> float:
+        return self.window_s + self.extended_s
+
+    @property
+    def spent(self) -> bool:
+        """No extension is left: the next verdict is final."""
+        return self.extended_s >= self.max_extend_s
+
+    def extend(self) -> Windows:
+        """The window doubled (capped by the budget left)."""
+        step = min(self.length, self.max_extend_s - self.extended_s)
+        return replace(self, extended_s=self.extended_s + max(step, 0.0), extensions=self.extensions + 1)
+
+
+def judge_windows(
+    windows: Windows,
+    before: WindowStats,
+    after: WindowStats | None,
+    judge_with: Callable[[WindowStats, WindowStats, bool], Verdict],
+) -> Verdict:
+    """One look at a trial's evidence: `judge_with(before, after, budget_spent)` (policy/verdict.judge
+    with the trial's settings) on the windows of `windows.length`; no after window: no evidence. A
+    verdict "extend" asks for `windows.extend()` and another look (the trial's loop; the unit tier's
+    simulation runs this same loop, tests/unit/test_verdict_noise.py)."""
+    if after is None:
+        return Verdict("revert", "no evidence: too few samples in the after window")
+    return judge_with(before, after, windows.spent)
+
+
+def spent_figures(windows: Windows, before: WindowStats, after: WindowStats | None) -> dict[str, object]:
+    """The windows a verdict spent, for `trial.decided`."""
+    return {
+        "extensions": windows.extensions,
+        "extended_s": round(windows.extended_s, 1),
+        "window_s": round(windows.length, 1),
+        "before_s": round(before.seconds, 1),
+        "after_s": round(after.seconds, 1) if after is not None else None,
+    }
 
 
 @dataclass(frozen=True)
@@ -68,15 +125,19 @@ class Trial:
         proposal: Proposal,
         before: WindowStats,
         before_values: dict[str, float | None],
+        before_for: Callable[[float], WindowStats | None] | None = None,
     ) -> None:
+        """`before`: the window the rule fired on; `before_for(length)`: the run's window of `length`
+        ending where the rule fired (its settled polls only; None: `before` whatever the length)."""
         self.ctx = ctx
         self.trial_id = trial_id
         self.rule = rule
         self.proposal = proposal
         self.before = before
         self.before_values = before_values  # the rule's window where it fired
+        self.before_for = before_for
         self.window_start: float | None = None
-        self.extended = False
+        self.windows = Windows(ctx.config().tuning.window_s, ctx.config().tuning.max_extend_s)
         self.verdict: Verdict | None = None
         self.after: WindowStats | None = None
         self.experiment = Experiment(
@@ -140,13 +201,13 @@ class Trial:
 
     def on_warm(self, now: float) -> None:
         self.window_start = now  # the after window opens
+        tuning = self.ctx.config().tuning  # the settings in force when it opens (a reload: the next trial)
+        self.windows = Windows(tuning.window_s, tuning.max_extend_s)
 
     def on_measuring(self, now: float) -> None:
-        """The after window, as long as the before window (longer once extended), then the verdict."""
-        tuning = self.ctx.config().tuning
+        """The after window of `windows.length` (doubled at each extension), then a look at the evidence."""
         assert self.window_start is not None
-        length = tuning.window_s + (tuning.max_extend_s if self.extended else 0.0)
-        if now - self.window_start >= length:
+        if now - self.window_start >= self.windows.length:
             self._decide(now)
 
     def on_served(self, now: float) -> None:
@@ -189,32 +250,40 @@ class Trial:
 
     def _decide(self, now: float) -> None:
         assert self.window_start is not None
-        ctx, rule = self.ctx, self.rule
+        ctx, rule, windows = self.ctx, self.rule, self.windows
         config = ctx.config()
         tuning = config.tuning
         after = ctx.window(self.window_start, now)
-        if after is None:
-            verdict = Verdict("revert", "no evidence: too few samples in the after window")
-        else:
+        before = self._before(windows.length)
+
+        def judge_with(b: WindowStats, a: WindowStats, spent: bool) -> Verdict:
             # The rule's window at the end of the after window (never before its start: one run's
             # polls, past the warm-up), as before_values was the rule's window where it fired.
-            after_values = ctx.rule_values(now, self.window_start)
+            after_values = ctx.rule_values(now, self.window_start or now)
             terms_before = self._terms(rule, self.before_values)
             terms_after = self._terms(rule, after_values)
-            verdict = judge(
-                self.before,
-                after,
+            return judge(
+                b,
+                a,
                 tuning=tuning,
                 purpose=rule.purpose,
                 eased=eased(rule, terms_before, terms_after, tuning.tolerance),
-                extended=self.extended,
+                budget_spent=spent,
                 objective=config.objective,
                 door_enabled=config.door.enabled,
             )
+
+        verdict = judge_windows(windows, before, after, judge_with)
         if verdict.decision == "extend":
-            self.extended = True
+            self.windows = windows.extend()
             ctx.recorder.record(
-                "trial.extended", **self.describe(), reason=verdict.reason, by_s=tuning.max_extend_s
+                "trial.extended",
+                **self.describe(),
+                reason=verdict.reason,
+                by_s=round(self.windows.extended_s - windows.extended_s, 1),
+                window_s=round(self.windows.length, 1),
+                budget_left_s=round(self.windows.max_extend_s - self.windows.extended_s, 1),
+                evidence=dict(verdict.figures) or None,
             )
             return
         self.verdict, self.after = verdict, after
@@ -225,16 +294,22 @@ class Trial:
             **self.describe(),
             decision=decision,
             reason=verdict.reason,
+            evidence=verdict.evidence,
             objective=verdict.objective,
             objective_unit=verdict.unit or None,
             objective_before=verdict.before,
             objective_after=verdict.after,
             # Why the objective compared is not the configured one (goodput without targets or the door).
             objective_reason=verdict.objective_reason or None,
-            ratio_interval_90=list(verdict.interval) if verdict.interval else None,
+            ratio_interval=[round(x, 4) for x in verdict.interval] if verdict.interval else None,
+            confidence=tuning.confidence,
             inconclusive=verdict.inconclusive,
+            # the samples (n, effective n), each window's noise and the minimum detectable effect they
+            # implied, the attainment's intervals (goodput), saturation
+            figures={k: v for k, v in verdict.figures.items() if k not in ("ratio_interval", "confidence")},
+            windows=spent_figures(windows, before, after),
             **verdict.service,  # both windows' attainment, goodput, feasibility and requests
-            before=self.before.as_dict(),
+            before=before.as_dict(),
             after=after.as_dict() if after is not None else None,
         )
         log.info("trial.decided", **self.describe(), decision=decision, reason=verdict.reason)
@@ -247,6 +322,14 @@ class Trial:
             self._kept(after)
         else:
             self._reverted(verdict, now)
+
+    def _before(self, length: float) -> WindowStats:
+        """The before window as long as the after window, where the run before the change served that
+        long past its warm-up; else as long as it served (never shorter than the window the rule fired on)."""
+        if self.before_for is None or length <= self.before.seconds:
+            return self.before
+        longer = self.before_for(length)
+        return longer if longer is not None and longer.seconds > self.before.seconds else self.before
 
     def _kept(self, after: WindowStats | None) -> None:
         ctx, p = self.ctx, self.proposal

@@ -35,17 +35,27 @@ import structlog
 
 from tunerd.config import Config
 from tunerd.config.rules import Rule, RuleSet
+from tunerd.core.params import EngineParams
 from tunerd.core.states import EngineState
 from tunerd.engine.process import EngineRun
 from tunerd.observe.poller import PollSample
 from tunerd.observe.probe import ProbeResult
-from tunerd.policy.evidence import Point, WindowStats, signal_values, window_signals, window_stats
+from tunerd.policy.evidence import (
+    Point,
+    WindowStats,
+    per_poll_rates,
+    signal_values,
+    slo_counts,
+    window_signals,
+    window_stats,
+)
 from tunerd.policy.fired import Act, Alert, Defer, Facts, Mute, decide
 from tunerd.policy.first_step import LostCap
 from tunerd.policy.gates import window_open
-from tunerd.policy.objective import Objective
+from tunerd.policy.objective import Goodput, Objective, Throughput
 from tunerd.policy.rules import RuleState, TermValue, evaluate
 from tunerd.policy.tunables import NoProposal, Proposal
+from tunerd.policy.verdict import noise_meter, objective_in_force
 from tunerd.records.experience import ExperienceKey
 from tunerd.records.metrics import Metrics
 from tunerd.records.recorder import Recorder
@@ -247,6 +257,28 @@ class Tuner:
         if self.trial is None and not self.exploring and self.curve is None:
             self._evaluate_rules(run, now)
 
+    def noise(self, now: float) -> dict[str, object] | None:
+        """The noise meter (`tunerd status`): the objective's relative noise over the serving run's last
+        `[tuning] window_s`, the smallest change a trial window of that length detects and the window
+        that would detect the tolerance (policy/verdict.noise_meter); None without enough polls."""
+        tuning = self.config.tuning
+        start = now - tuning.window_s
+        run = self.life.engine.run
+        if run is not None and run.ready_mono is not None:  # the warm-up's polls are not the configuration's
+            start = max(start, run.ready_mono + tuning.warmup_s)
+        points = [p for p in self.samples.points if p.t >= start]
+        name = objective_in_force(tuning, self.config.objective, self.config.door.enabled).name
+        if name == Goodput.name:
+            counts = slo_counts(points, start, now)
+            samples: Sequence[float] = counts.samples(self.config.objective.count) if counts else ()
+        else:
+            name = Throughput.name  # a latency quantile has no per-poll samples: throughput's noise
+            samples = per_poll_rates([p for p in points if p.sample is not None], "generation_tokens_total")
+        meter = noise_meter(
+            samples, window_s=tuning.window_s, tolerance=tuning.tolerance, confidence=tuning.confidence
+        )
+        return None if meter is None else {"objective": name, **meter}
+
     def _new_run(self, run_id: int) -> None:
         self.samples = RunSamples(run_id)
         self.states = {name: state.fresh() for name, state in self.states.items()}
@@ -436,8 +468,32 @@ class Tuner:
                 mode="dry-run: nothing changes",
             )
             return
-        self.trial = Trial(self._trial_ctx, self.memory.next_trial(), rule, proposal, before, before_values)
-        self.trial.start(now)
+        run = self.life.engine.run
+        since = (run.ready_mono if run is not None and run.ready_mono is not None else now) + (
+            self.config.tuning.warmup_s
+        )
+        params = run.params if run is not None else self.life.params
+        # The run ends with the change's restart: its polls and parameters are taken now.
+        before_for = partial(self._before_window, now, since, params, tuple(self.samples.points))
+        trial = Trial(
+            self._trial_ctx, self.memory.next_trial(), rule, proposal, before, before_values, before_for
+        )
+        self.trial = trial
+        trial.start(now)
+
+    def _before_window(
+        self, fired: float, since: float, params: EngineParams, points: Sequence[Point], length: float
+    ) -> WindowStats | None:
+        """The serving run's window of `length` ending where the rule fired, over its polls past its
+        warm-up (`since`): a trial's before window, grown with its after window (tune/trials.py)."""
+        return window_stats(
+            points,
+            max(since, fired - length),
+            fired,
+            max_num_seqs=params.max_num_seqs,
+            saturated_waiting=self.config.tuning.saturated_waiting,
+            saturated_kv_usage=self.config.tuning.saturated_kv_usage,
+        )
 
     # -- the loop's step -----------------------------------------------------------------------------
 
