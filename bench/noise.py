@@ -248,11 +248,10 @@ def figures_for(starts: list[list[float]], length: int, count: int) -> dict[str,
     start_means = [statistics.fmean(m) for m in means if m]
     between = cv(start_means)
     windows = min(len(m) for m in means) if means else 0
-    part = (
-        math.sqrt(max(0.0, between**2 - (within or 0.0) ** 2 / windows))
-        if between is not None and windows
-        else None
-    )
+    # σ_b² = CV² of the start means − the windows' share of it; below 0 the starts differ no more than
+    # their windows' own noise explains (with few starts, often): held at 0 and marked.
+    raw = between**2 - (within or 0.0) ** 2 / windows if between is not None and windows else None
+    part = None if raw is None else math.sqrt(max(0.0, raw))
     mde_within = None if within is None else stats.min_detectable_effect(within, within)
     across = None if part is None or within is None else math.hypot(within, part)
     mde_across = None if across is None else stats.min_detectable_effect(across, across)
@@ -271,11 +270,14 @@ def figures_for(starts: list[list[float]], length: int, count: int) -> dict[str,
         "estimate_over_measured": None if not within or estimated is None else estimated / within,
         "cv_between_starts": between,
         "between_start_part": part,
+        "between_start_part_held_at_zero": raw is not None and raw < 0,
         "mde_within": mde_within,
         "mde_within_estimated": None
         if estimated is None
         else stats.min_detectable_effect(estimated, estimated),
         "mde_across_starts": mde_across,
+        # What no window length removes: the MDE across starts as the window grows without bound.
+        "mde_across_starts_any_window": None if part is None else stats.min_detectable_effect(part, part),
         "window_for_5pct_within_s": None if within is None else stats.window_for(EFFECT, within, length),
         # A restart-grade comparison: n starts per arm divide the noise of a start-level mean by √n,
         # and a longer window cannot shrink the between-start part.
@@ -308,7 +310,7 @@ def num(value: float | None, digits: int = 1) -> str:
 HEADER = (
     "| objective | window | windows × starts | mean (min..max) | CV within a start | relative_noise "
     "(median) | estimate / measured | CV between starts | between-start part | MDE within | MDE across "
-    "starts | window for 5 % within | starts per arm for 5 % |"
+    "starts | MDE across starts, any window | window for 5 % within | starts per arm for 5 % |"
 )
 
 
@@ -316,12 +318,16 @@ def table(figures: dict[str, dict[str, dict[str, Any]]], starts: int) -> list[st
     lines = [HEADER, "|" + "---|" * (HEADER.count("|") - 1)]
     for name, label in OBJECTIVES.items():
         for f in figures[name].values():
+            part = pct(f["between_start_part"]) + (
+                " (held at 0)" if f["between_start_part_held_at_zero"] else ""
+            )
             lines.append(
                 f"| {label} | {f['window_s']} s | {f['windows_per_start']} × {starts} | {num(f['mean'], 2)} "
                 f"({num(f['min'], 2)}..{num(f['max'], 2)}) | {pct(f['cv_within'])} | "
                 f"{pct(f['relative_noise_median'])} | {num(f['estimate_over_measured'], 2)} | "
-                f"{pct(f['cv_between_starts'])} | {pct(f['between_start_part'])} | {pct(f['mde_within'])} | "
-                f"{pct(f['mde_across_starts'])} | {num(f['window_for_5pct_within_s'], 0)} s | "
+                f"{pct(f['cv_between_starts'])} | {part} | {pct(f['mde_within'])} | "
+                f"{pct(f['mde_across_starts'])} | {pct(f['mde_across_starts_any_window'])} | "
+                f"{num(f['window_for_5pct_within_s'], 0)} s | "
                 f"{f['starts_per_arm_for_5pct'] if f['starts_per_arm_for_5pct'] is not None else 'n/a'} |"
             )
     return lines
@@ -360,8 +366,10 @@ How to read the table:
 - **relative_noise**: what tunerd's decisions estimate from one window's per-second samples
   (`core/stats.relative_noise`); **estimate / measured** near 1 means the estimate matches reality, below 1
   that the decisions are over-confident.
-- **between-start part**: the spread of the starts' means left after the windows' own noise. It does not
-  shrink with the window: only more starts per arm do ("starts per arm for 5 %").
+- **between-start part**: the spread of the starts' means left after the windows' own noise ("held at 0"
+  where the starts differed no more than their windows' noise explains). It does not shrink with the
+  window ("MDE across starts, any window" is what remains of the MDE however long the window): only more
+  starts per arm do ("starts per arm for 5 %").
 - **MDE**: the smallest change two windows detect (within a start; across starts with the between-start
   part added). **window for 5 % within**: how long each window must be to separate a 5 % change inside one
   start.
