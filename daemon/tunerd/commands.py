@@ -22,16 +22,13 @@ from tunerd.config import Config
 from tunerd.config.objective import in_force
 from tunerd.core.commands import Command
 from tunerd.observe.probe import ProbeResult
-from tunerd.policy.evidence import WindowStats
-from tunerd.policy.objective import Goodput, configured, objective
 from tunerd.policy.tunables import REGISTRY
-from tunerd.policy.verdict import objective_in_force
 from tunerd.records.recorder import Recorder
 from tunerd.supervise.capacity import PlanOutcome
 from tunerd.supervise.door_link import DoorLink
 from tunerd.supervise.lifecycle import Lifecycle
 from tunerd.supervise.preflight import Submit
-from tunerd.tune.curve import CapCurve, parse_caps
+from tunerd.tune.curve import parse_caps
 from tunerd.tune.prober import Prober
 from tunerd.tune.tuner import Tuner
 
@@ -229,37 +226,17 @@ class Commands:
         """`tunerd door --curve`: the door's cap measured cap by cap on the serving vLLM (tune/curve.py);
         why not, when it cannot start, is journaled (`door.curve.refused`)."""
         trigger = command.reason or "operator curve"
-        link = self.door_link()
         caps = parse_caps(command.params.get("caps"))
-        why: str | None = caps if isinstance(caps, str) else None
-        if link is None:
-            why = "the front door is not running"
-        if why is None:
-            assert link is not None and not isinstance(caps, str)
-            config = self.life.config
-            goal_name = objective_in_force(config.tuning, config.objective, door_enabled=True).name
-            goal = (
-                configured(config.objective, config.tuning.tolerance)
-                if goal_name == Goodput.name
-                else objective(goal_name, config.tuning.tolerance)
+        if isinstance(caps, str):
+            why: str | None = caps
+        else:
+            why = self.tuner.measure_curve(
+                caps,
+                point_s=float(command.params["point_s"]),
+                settle_s=float(command.params["settle_s"]),
+                trigger=trigger,
+                now=self.now(),
             )
-            door = link
-
-            def make(window: Callable[[float, float], WindowStats | None]) -> CapCurve:
-                return CapCurve(
-                    caps,
-                    point_s=float(command.params["point_s"]),
-                    settle_s=float(command.params["settle_s"]),
-                    goal=goal,
-                    pin=door.try_cap,
-                    give_back=lambda: door.restore(f"{trigger}: the curve is over"),
-                    window=window,
-                    recorder=self.rec,
-                    trigger=trigger,
-                    now=self.now(),
-                )
-
-            why = self.tuner.start_curve(make)
         if why is not None:
             self.rec.record("door.curve.refused", reason=why, trigger=trigger)
 

@@ -199,6 +199,7 @@ class Supervisor:
             fleet=fleet,
             restart_wait=self.door_link.restart_wait if self.door_link is not None else None,
             door_lost=self.door_link.lost_caps if self.door_link is not None else None,
+            door=self.door_link,
         )
         cache_reset = self.cache_reset
         self.commands = Commands(

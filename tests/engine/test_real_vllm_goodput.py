@@ -14,6 +14,10 @@ uncapped loop misses it on most requests and a small cap meets it on more than e
 TPOT p50 19–21 ms up to 4 at once, 29 ms at 8). A box where a batch of 16 decodes no slower than a batch
 of 2 cannot show this, and the test says so.
 
+Then the concurrency curve through the cap (`tunerd door --curve`): the steered cap and no cap's equal,
+15 s a point on the same start, scored by goodput: the steered cap wins (no cap misses the target), and the
+cap is steered again after — no restart.
+
 Agreement (stated): over the same requests (a load started and stopped between two reads of
 tunerd_slo_requests_total and tunerd_slo_good_requests_total, read once they have counted every request
 the clients finished), tunerd's attainment is within 0.10 of the clients'. The door stamps a request's
@@ -26,6 +30,8 @@ from __future__ import annotations
 
 import signal
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -64,6 +70,10 @@ def counted(daemon: Daemon) -> tuple[float, float]:
         daemon.metric("tunerd_slo_requests_total") or 0.0,
         daemon.metric("tunerd_slo_good_requests_total") or 0.0,
     )
+
+
+def door_limit(daemon: Daemon) -> dict[str, Any]:
+    return (daemon.status().get("door") or {}).get("limit") or {}
 
 
 def q(values: list[float], share: float) -> float:
@@ -192,6 +202,27 @@ def run_the_story(
     assert cap is not None and 1 <= cap < CLIENTS, seen
     assert clients >= ATTAINMENT - TOLERANCE, seen  # feasible as the clients measured it, too
     assert abs(clients - tunerds) <= TOLERANCE, seen
+
+    # 4. The concurrency curve through the cap (`tunerd door --curve`): the steered cap and no cap's
+    # equal (max_num_seqs), measured in seconds per point on the same start, then the cap steered again.
+    curve = Run(daemon, url, model, seed=15)
+    curve.load.start()
+    try:
+        measured_curve = subprocess.run(
+            [sys.executable, "-m", "tunerd", "door", "--curve", f"{cap:.0f},{CLIENTS}", "--point-s", "15",
+             "--settle-s", "3", "--config", str(daemon.config_path)],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+    finally:
+        curve.load.stop(60)
+    assert measured_curve.returncode == 0, measured_curve.stdout + measured_curve.stderr
+    (done,) = [r for r in daemon.records() if r["event"] == "door.curve.finished"]
+    at_cap, at_all = done["points"]
+    assert done["objective_name"] == "slo.goodput", done
+    assert at_cap["objective"] > at_all["objective"] and at_all["attainment"] < ATTAINMENT, done
+    assert done["best"] == cap, done
+    wait_until(lambda: door_limit(daemon).get("mode") == "steered", 30, "the cap steered again")
+    assert daemon.status()["engine"]["pid"] == first["engine"]["pid"]  # still no restart
     figures(
         f"goodput on the small model, {CLIENTS} streaming clients, TPOT target {target * 1e3:.2f} ms "
         f"(clients' p90 {low * 1e3:.2f} ms at cap 2, p50 {high * 1e3:.2f} ms with none), "
@@ -201,5 +232,6 @@ def run_the_story(
         f"  steered: feasible after {reached_s:.0f} s at cap {cap:.0f}, no restart; over "
         f"{len(measured.load.stats.streamed)} requests attainment {clients:.1%} (clients) vs "
         f"{tunerds:.1%} (tunerd), goodput "
-        f"{clients * len(measured.load.stats.streamed) / measured.seconds:.1f} req/s (clients)"
+        f"{clients * len(measured.load.stats.streamed) / measured.seconds:.1f} req/s (clients)\n"
+        f"  $ tunerd door --curve {cap:.0f},{CLIENTS} --point-s 15 --settle-s 3\n{measured_curve.stdout}"
     )

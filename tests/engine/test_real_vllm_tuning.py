@@ -4,9 +4,12 @@
    model length is 1920"; tunerd reads the estimate, starts with it, and vLLM comes up. (The planner
    predicts that refusal exactly and would correct before any start; it is off here, so that vLLM's own
    line is what tunerd reads. The planner's path is in tests/unit/test_corrections.py.)
-2. KV pressure under a steady cache-cold load: the shipped KV rule fires, tunerd steps `max_num_seqs`
-   down one trial at a time, keeps a step only when the evidence says it did not lose, reverts one that
-   lost, and stops. The journal tells it; the final parameters are the last kept ones.
+2. KV pressure under a steady cache-cold load: the shipped KV rule fires on what a full cache is under
+   preemption (preemptions, and the share of the window's polls at ≥ 0.9 usage: the gauge's average saws
+   below full while vLLM frees preempted requests' blocks, issue 22); the first step of `max_num_seqs` is
+   the KV cache's arithmetic (the requests it holds at the window's tokens per request, in whole blocks),
+   not a halving; tunerd keeps a step only on evidence beyond the tolerance, reverts one that lost, and
+   stops. The journal tells it; the final parameters are the last kept ones.
 
 The KV case runs a "small" random-weight model (8 layers, hidden 1024, 8,192 bytes of KV per token)
 rather than the tiny one: with the tiny model the 2 cores are spent in vLLM's API server (requests wait
@@ -20,6 +23,7 @@ reverted, its value tabu, and the rule muted with nothing further to try.
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +88,7 @@ def decided(daemon: Daemon) -> list[dict[str, Any]]:
 
 
 def test_kv_pressure_is_tuned_one_verified_step_at_a_time_and_the_loop_stops(
-    tmp_path: Path, small_model: Path, vllm_cache: dict[str, str]
+    tmp_path: Path, small_model: Path, vllm_cache: dict[str, str], figures: Callable[[str], None]
 ) -> None:
     (tmp_path / "rules.toml").write_text(kv_rule(for_s=10, cooldown_s=10))
     sections = real_sections(
@@ -99,6 +103,7 @@ def test_kv_pressure_is_tuned_one_verified_step_at_a_time_and_the_loop_stops(
         daemon.wait_state("RUNNING", timeout=600)
         url = f"http://127.0.0.1:{sections['engine']['port']}"
         with ClosedLoopLoad(url, str(small_model), clients=16, prompt_tokens=16, max_tokens=256, seed=11):
+            fired = daemon.wait_event("rule.fired", rule="kv-cache-pressure", timeout=1200)
             first = daemon.wait_event("trial.decided", rule="kv-cache-pressure", timeout=1200)
             # The story ends when the rule has nothing left to try (a reverted value is tabu, the step
             # past it is never taken) or when a kept step cleared the condition (resolved). Which one
@@ -117,6 +122,26 @@ def test_kv_pressure_is_tuned_one_verified_step_at_a_time_and_the_loop_stops(
         wait_until(lambda: daemon.status()["tuning"]["trial"] is None, 600, "the last revert to finish")
         trials = decided(daemon)
         assert trials[0] == first and all(t["rule"] == "kv-cache-pressure" for t in trials), daemon.dump()
+        # The rule fired on the sawtooth's terms (the shipped ones, read from rules.toml above).
+        held = {t["term"].split()[0]: t for t in fired["terms"]}
+        assert set(held) == {"preemptions.rate", "kv_cache.full_share"}, fired
+        assert all(t["holds"] for t in held.values()), fired
+        # The first step is the KV cache's arithmetic: 1,920 tokens = 15 blocks of 128 (14 usable) over the
+        # blocks one request of 16 prompt + 256 output tokens holds at its end.
+        (started, *_) = [r for r in daemon.records() if r["event"] == "trial.started"]
+        assert started["proposed_by"] == "kv model", started
+        arithmetic = started["arithmetic"]
+        assert arithmetic.startswith("KV cache 1,920 tokens (vLLM's log) = 15 blocks of 128"), arithmetic
+        assert arithmetic.endswith(f"→ {started['new']}") and started["new"] < 16, arithmetic
+        figures(
+            f"rule.fired: {fired['terms']}\n"
+            f"first step: max_num_seqs 16 → {started['new']}: {arithmetic}\n"
+            + "\n".join(
+                f"trial {t['trial']}: {t['old']} → {t['new']} {t['decision']} ({t.get('evidence')}): "
+                f"{t['reason']}"
+                for t in trials
+            )
+        )
         tolerance = 0.05
         kept = [t for t in trials if t["decision"] == "kept"]
         lost = [t for t in trials if t["decision"] != "kept"]

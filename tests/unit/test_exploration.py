@@ -585,7 +585,7 @@ def test_a_point_that_looks_better_on_one_probe_is_probed_again_before_the_searc
     finished = sim.explore("max_num_seqs")
     started = sim.rig.last("explore.started")
     assert started["tolerance_floor"] == 0.03 and started["tolerance"] >= 0.03
-    assert started["noise"]["start_noise"] == sim.rig.config.tuning.explore_start_noise
+    assert started["noise"]["start_noise"] == sim.rig.config.tuning.start_noise
     point = next(p for p in sim.rig.records("explore.point") if p["value"] == 64)
     assert point["verdict"] == "stay" and point["probes"] == 2 == len(point["samples"])
     assert point["samples"] == pytest.approx([4 * peak_at_8(64), peak_at_8(64)])

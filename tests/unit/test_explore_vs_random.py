@@ -15,7 +15,7 @@ The noise, multiplicative and log-normal, from this box (docs/benchmarks.md, ben
   starts (a relative standard deviation of 0.105, its window's noise included);
 - between probes of one start, σ = 0.42: five `tunerd probe` runs on the quickstart model spread 99 %
   around their median, and the range of five normal draws is about 2.33 σ.
-The search is told the first (`start_noise`, what an operator sets in `tuning.explore_start_noise`) and
+The search is told the first (`start_noise`, what an operator sets in `tuning.start_noise`) and
 estimates the second from its own probes.
 
 Random search: the same number of restarts as the exploration spent, at distinct random points of the

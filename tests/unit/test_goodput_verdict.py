@@ -70,7 +70,7 @@ def decide(
     budget_spent: bool = False,
     **tuning: Any,
 ) -> Verdict:
-    settings = TuningConfig(**{"objective": "slo.goodput", **tuning})
+    settings = TuningConfig(**{"objective": "slo.goodput", "start_noise": 0.0, **tuning})
     return judge(
         before, after, tuning=settings, purpose=purpose, eased=eased, budget_spent=budget_spent,
         objective=config, door_enabled=door_enabled,
@@ -241,7 +241,8 @@ def judged_trial(
     rig = make_rig(
         tmp_path,
         {"door": {"enabled": True, "port": 0}, "engine": {"params": {"max_num_seqs": 32}},
-         "objective": objective, "tuning": {"warmup_s": 5.0, "window_s": 30.0, "max_extend_s": 20.0}},
+         "objective": objective, "tuning": {"warmup_s": 5.0, "window_s": 30.0, "max_extend_s": 20.0,
+                    "start_noise": 0.0}},
     )  # fmt: skip
     rig.lifecycle.capacity.check = lambda params: PlanOutcome(None, {"band": "fine"})  # type: ignore[method-assign]
     rig.serve()

@@ -112,7 +112,8 @@ def verdict(
     return judge(
         before,
         after,
-        tuning=TuningConfig(**settings),
+        # The windows' own noise; the spread between vLLM starts is test_a_spread_between_starts_….
+        tuning=TuningConfig(**{"start_noise": 0.0, **settings}),
         purpose=purpose,
         eased=eased,
         budget_spent=budget_spent,
@@ -297,6 +298,21 @@ def test_saturated_better_throughput_with_the_condition_eased_is_kept() -> None:
     assert result.decision == "keep"
     assert (result.objective, result.unit) == ("throughput.generation", "tok/s")
     assert (result.before, result.after) == (pytest.approx(100.0), pytest.approx(120.0))
+
+
+def test_a_spread_between_starts_widens_the_interval_whatever_the_windows() -> None:
+    # The two windows are of two vLLM starts: a start's mean spreads by `start_noise`, which no window
+    # of it sees. +20 % on quiet windows is "better" alone, not with 10 % a start (it could be the starts).
+    before, after = saturated(), saturated(gen_per_s=120.0, req_per_s=2.4)
+    assert verdict(before, after).evidence == "better"
+    spread = verdict(before, after, start_noise=0.10)
+    assert (spread.decision, spread.evidence) == ("revert", "no difference")  # no window could tell
+    assert spread.interval is not None and spread.interval[0] < 1.05 < spread.interval[1]
+    assert spread.figures["start_noise"] == 0.10
+    assert spread.figures["no_window_can_tell"] == "the spread between starts (10% a start) hides it"
+    # At 3 % a start a longer window could still tell: extended.
+    assert verdict(before, after, start_noise=0.03).decision in ("keep", "extend")
+    assert spread.figures["min_detectable_effect"] > 0.45  # (1.96 + 1.28) × √2 × 10 % and more
 
 
 def test_saturated_throughput_within_the_tolerance_is_no_difference_and_reverted() -> None:

@@ -51,7 +51,14 @@ KV_RULE = {
 RULE_STEP_START = (INIT_ENGINE_LINE,)
 FAST = {
     "observe": {"window_s": 20.0},
-    "tuning": {"warmup_s": 5.0, "window_s": 30.0, "max_extend_s": 20.0, "min_serving_s": 0.0},
+    # The sim's vLLM serves each configuration alike at every start: no spread between starts.
+    "tuning": {
+        "warmup_s": 5.0,
+        "window_s": 30.0,
+        "max_extend_s": 20.0,
+        "min_serving_s": 0.0,
+        "start_noise": 0.0,
+    },
 }
 
 
@@ -90,6 +97,7 @@ class SimEngine:
     itl: list[float] = field(default_factory=lambda: [0.0] * len(LES))
     e2e: list[float] = field(default_factory=lambda: [0.0] * len(LES))
     load_factor: float = 1.0  # 0: the clients went away
+    cap: int | None = None  # the front door's cap in force (FakeDoor): vLLM runs no more at once
 
     def sample(self, run_id: int, params: EngineParams, now: float) -> EngineSample:
         if run_id != self.run_id:  # a new vLLM: its counters start from zero
@@ -98,7 +106,7 @@ class SimEngine:
             self.__dict__.update(fresh.__dict__)
         dt = now - self.t
         self.t = now
-        perf = self.landscape[params.max_num_seqs or 256]
+        perf = self.landscape[min(params.max_num_seqs or 256, self.cap or 1 << 30)]
         wobble = 1.0 + 0.04 * math.sin(now * 1.7)  # per-second noise, deterministic
         tokens = perf.tokens_per_s * wobble * dt * self.load_factor
         self.gen += tokens
@@ -193,6 +201,7 @@ def make_tuner(
     memory: Experience | None = None,
     start_lines: Sequence[str] = RULE_STEP_START,
     door_lost: Any = None,
+    door: Any = None,
 ) -> TunerRig:
     overrides: dict[str, Any] = {
         "engine": {"params": params or {"max_num_seqs": 32}},
@@ -229,6 +238,7 @@ def make_tuner(
         wallclock=lambda: _wall(rig),
         recall=recall,
         door_lost=door_lost,
+        door=door,
     )
     rig.on_change = tuner.on_change  # the loop delivers a change's outcome to the tuner
     sim = TunerRig(rig, tuner, SimEngine(landscape or LANDSCAPE), SignalWindow(rig.config.observe.window_s))
@@ -698,6 +708,80 @@ def test_the_noise_meter_shows_the_objectives_noise_and_what_a_window_can_detect
     assert f"detects ≥ {noise['min_detectable_effect']:.1%}" in page
 
 
+def test_the_noise_meter_says_what_the_spread_between_starts_leaves_to_a_restart(tmp_path: Path) -> None:
+    sim = make_tuner(tmp_path, rules=[], tuning={"start_noise": 0.05})
+    sim.run_for(60)
+    noise = sim.tuner.noise(sim.now)
+    assert noise is not None
+    rel = noise["relative_noise"]
+    across = min_detectable_effect(rel, rel, confidence=0.95, start_noise=0.05)
+    assert noise["min_detectable_effect_across_starts"] == pytest.approx(across, abs=2e-4)
+    # (1.96 + 1.28) × √2 × 5 % ≈ 23 % from the starts alone: no window detects 5 %, 22 starts a side would.
+    assert noise["window_for_tolerance_across_starts_s"] is None
+    assert noise["starts_per_arm_for_tolerance"] == 22
+    page = render_status({"tuning": tuning_status(sim.tuner, sim.now)})
+    assert "across a restart (start_noise 5% a start): ≥ 23." in page
+    assert "no window would: 22 starts a side would" in page
+
+
 def test_no_noise_figure_without_polls(tmp_path: Path) -> None:
     sim = make_tuner(tmp_path, rules=[])
     assert sim.tuner.noise(sim.now) is None
+
+
+# -- the door's cap measured before a restart of max_num_seqs (issue 22) ----------------------------------
+
+
+class FakeDoor:
+    """The door's cap as the tuner's curve moves it: the simulated vLLM runs no more than it at once."""
+
+    def __init__(self) -> None:
+        self.sim: TunerRig | None = None
+        self.calls: list[tuple[str, int | None]] = []
+
+    def try_cap(self, cap: int, why: str) -> None:
+        assert self.sim is not None
+        self.sim.engine.cap = cap
+        self.calls.append(("cap", cap))
+
+    def restore(self, why: str) -> None:
+        assert self.sim is not None
+        self.sim.engine.cap = None
+        self.calls.append(("restore", None))
+
+
+def curve_tuner(tmp_path: Path, at_16: Perf) -> tuple[TunerRig, FakeDoor]:
+    door = FakeDoor()
+    sim = make_tuner(tmp_path, start_lines=KV_MODEL_START, landscape={**LANDSCAPE, 16: at_16}, door=door)
+    door.sim = sim
+    return sim, door
+
+
+def test_with_the_door_on_a_lower_max_num_seqs_is_measured_through_the_cap_before_any_restart(
+    tmp_path: Path,
+) -> None:
+    # The cap at 16 serves far less than at 32: lost without a restart, and the step is not taken.
+    sim, door = curve_tuner(tmp_path, Perf(1000.0, 0.0, 0.7))
+    spawns = len(sim.rig.os.spawns)
+    sim.run_until(lambda: bool(sim.rig.records("door.curve.finished")))
+    sim.run_for(5)
+    started = sim.rig.last("door.curve.started")
+    assert started["caps"] == [16, 32] and started["trigger"].startswith("rule kv-cache-pressure")
+    done = sim.rig.last("door.curve.finished")
+    assert done["best"] == 32 and [lost["cap"] for lost in done["lost"]] == [16], done
+    assert door.calls == [("cap", 16), ("cap", 32), ("restore", None)]
+    deferred = sim.rig.last("rule.deferred")
+    assert "the door's cap at 16 already lost under this load (the concurrency curve:" in deferred["reason"]
+    assert not sim.rig.records("trial.started") and len(sim.rig.os.spawns) == spawns  # no restart
+
+
+def test_a_cap_that_serves_more_lets_the_restart_go_ahead_with_its_expected_gain(tmp_path: Path) -> None:
+    sim, door = curve_tuner(tmp_path, LANDSCAPE[16])  # 2,850 tok/s at 16 against 2,000 at 32
+    sim.run_until(lambda: bool(sim.rig.records("trial.started")))
+    started = sim.rig.last("trial.started")
+    assert (started["old"], started["new"]) == (32, 16)
+    assert any(
+        note.startswith("the concurrency curve measured the door's cap at 16:") and "expected gain" in note
+        for note in started["notes"]
+    ), started["notes"]
+    assert door.calls == [("cap", 16), ("cap", 32), ("restore", None)]

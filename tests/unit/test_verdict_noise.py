@@ -36,6 +36,9 @@ from tunerd.policy.verdict import Verdict, judge
 from tunerd.tune.trials import Windows, judge_windows
 
 MEAN, CV, RHO = 150.0, 0.25, 0.6
+# The spread of one vLLM start's mean on this box (bench/noise.py, 4 starts of the small model,
+# 2026-12-03: 6.0 % for throughput, 4.5–4.9 % for the door's goodput): `[tuning] start_noise`'s default.
+START_NOISE = 0.05
 POLL_S = 5.0
 RUNS = 200
 # The settings under test: the shipped ones (tolerance 5 %, confidence 95 %, a window of 60 s that may
@@ -91,15 +94,19 @@ def look(rates: tuple[float, ...], length: float) -> WindowStats:
                    throughput_samples=rates)  # fmt: skip
 
 
-def trial(effect: float, seed: int) -> Verdict:
-    """One trial of a change whose true effect on throughput is `effect`, to its verdict."""
+def trial(effect: float, seed: int, start_noise: float) -> Verdict:
+    """One trial of a change whose true effect on throughput is `effect`, to its verdict: the two sides
+    are two vLLM starts whose means spread by `start_noise` each (drawn), and the verdict is told that
+    spread (`[tuning] start_noise`)."""
     rng = random.Random(seed)
-    before, after = Polls(rng, MEAN), Polls(rng, MEAN * (1 + effect))
+    starts = (math.exp(rng.gauss(0.0, start_noise)), math.exp(rng.gauss(0.0, start_noise)))
+    before, after = Polls(rng, MEAN * starts[0]), Polls(rng, MEAN * (1 + effect) * starts[1])
+    tuning = TUNING.model_copy(update={"start_noise": start_noise})
 
     def judge_with(b: WindowStats, a: WindowStats, spent: bool) -> Verdict:
-        return judge(b, a, tuning=TUNING, purpose="performance", eased=True, budget_spent=spent)
+        return judge(b, a, tuning=tuning, purpose="performance", eased=True, budget_spent=spent)
 
-    windows = Windows(TUNING.window_s, TUNING.max_extend_s)
+    windows = Windows(tuning.window_s, tuning.max_extend_s)
     while True:
         length = windows.length
         b, a = look(before.first(length), length), look(after.first(length), length)
@@ -109,18 +116,37 @@ def trial(effect: float, seed: int) -> Verdict:
         windows = windows.extend()
 
 
-def kept_share(effect: float) -> float:
-    verdicts = [trial(effect, seed) for seed in range(RUNS)]
+def kept_share(effect: float, start_noise: float) -> float:
+    verdicts = [trial(effect, seed, start_noise) for seed in range(RUNS)]
     kept = sum(v.decision == "keep" for v in verdicts) / RUNS
     evidence = {e: sum(v.evidence == e for v in verdicts) for e in {v.evidence for v in verdicts}}
-    print(f"\ntrue effect {effect:+.1%}: kept {kept:.1%} of {RUNS} runs; evidence {evidence}")
+    print(
+        f"\ntrue effect {effect:+.1%}, start noise {start_noise:.0%}: kept {kept:.1%} of {RUNS} runs; "
+        f"evidence {evidence}"
+    )
     return kept
 
 
+@pytest.mark.parametrize("start_noise", [0.0, START_NOISE])
 @pytest.mark.parametrize("effect", [0.0, TUNING.tolerance / 2])
-def test_a_change_within_the_tolerance_is_kept_in_at_most_five_percent_of_runs(effect: float) -> None:
-    assert kept_share(effect) <= 0.05
+def test_a_change_within_the_tolerance_is_kept_in_at_most_five_percent_of_runs(
+    effect: float, start_noise: float
+) -> None:
+    assert kept_share(effect, start_noise) <= 0.05
 
 
-def test_a_true_ten_percent_gain_is_kept_in_at_least_ninety_percent_of_runs() -> None:
-    assert kept_share(0.10) >= 0.90
+def test_a_true_ten_percent_gain_is_kept_in_at_least_ninety_percent_of_runs_within_the_windows_noise() -> (
+    None
+):
+    """The windows' own noise only (two sides without a spread between starts: a GPU's quieter starts,
+    or one start): the extension budget buys the evidence."""
+    assert kept_share(0.10, 0.0) >= 0.90
+
+
+def test_with_this_boxs_spread_between_starts_a_ten_percent_gain_is_said_to_be_no_difference() -> None:
+    """The spread between vLLM starts measured on this box (bench/noise.py: 4.5–6.0 % of a start's mean)
+    hides +10 % from one start a side, whatever the windows: the machine says "no difference" (reverted)
+    rather than keeping on luck. Telling +10 % across a restart needs several starts a side (docs/noise.md);
+    this test pins what one start a side does (several starts a side are not built yet)."""
+    kept = kept_share(0.10, START_NOISE)
+    assert kept < 0.5  # measured 200 runs: printed by pytest -s

@@ -90,13 +90,27 @@ def render_status(doc: dict[str, Any]) -> str:
 
 
 def noise_line(noise: dict[str, Any]) -> str:
-    """The noise meter: the objective's spread over the last trial window, what such a window can tell."""
+    """The noise meter: the objective's spread over the last trial window, what such a window can tell
+    within one vLLM start (the door's cap) and across a restart (a trial, with the spread between starts)."""
     need = noise.get("window_for_tolerance_s")
     needed = f"{_duration(need)} windows would detect {noise['tolerance']:.0%}" if need else "no window would"
-    return (
+    line = (
         f"  noise: {noise['objective']} known to ±{noise['relative_noise']:.1%} over {noise['window_s']:g} s "
-        f"({noise['effective_samples']:g} effective of {noise['samples']} polls); a trial window of that "
-        f"length detects ≥ {noise['min_detectable_effect']:.1%}; {needed}"
+        f"({noise['effective_samples']:g} effective of {noise['samples']} polls); within one start a window "
+        f"of that length detects ≥ {noise['min_detectable_effect']:.1%}; {needed}"
+    )
+    across = noise.get("min_detectable_effect_across_starts")
+    if across is None:
+        return line
+    need_across = noise.get("window_for_tolerance_across_starts_s")
+    then = (
+        f"{_duration(need_across)} windows would detect {noise['tolerance']:.0%}"
+        if need_across
+        else f"no window would: {noise.get('starts_per_arm_for_tolerance')} starts a side would"
+    )
+    return (
+        f"{line}\n  across a restart (start_noise {noise.get('start_noise', 0):.0%} a start): "
+        f"≥ {across:.1%}; {then}"
     )
 
 

@@ -329,7 +329,9 @@ class TuningConfig(_Section):
     explore_in_windows: list[str] = Field(default_factory=list)  # params explored once per window
     explore_tolerance: float = Field(default=0.03, ge=0, lt=1)  # the floor: a move must gain more (confirmed)
     explore_probes: int = Field(default=3, ge=2, le=20)  # the most probes of one point in one start
-    explore_start_noise: float = Field(default=0.05, ge=0, lt=1)  # relative spread between vLLM starts
+    # The relative spread of one vLLM start's mean objective that no window of it can see (a trial's and an
+    # exploration's two sides are two starts): bench/noise.py measures it (docs/noise.md).
+    start_noise: float = Field(default=0.05, ge=0, lt=1)
     bounds: dict[str, tuple[float, float]] = Field(default_factory=dict)
 
     @field_validator("bounds", mode="before")

@@ -93,27 +93,41 @@ def relative_noise(samples: Sequence[float]) -> float | None:
 
 
 def mean_ratio_interval(
-    before: Sequence[float], after: Sequence[float], *, confidence: float = CONFIDENCE
+    before: Sequence[float],
+    after: Sequence[float],
+    *,
+    confidence: float = CONFIDENCE,
+    start_noise: float = 0.0,
 ) -> Interval | None:
     """The interval of mean(after) / mean(before): normal on the log of the ratio, whose standard error
-    is the two windows' relative noises added in quadrature. None when either window has no noise
-    figure (fewer than three samples, a mean that is not positive)."""
+    is the two windows' relative noises and, when the windows are of two vLLM starts, `start_noise` for
+    each (the relative spread of a start's mean that no window of it can see), added in quadrature. None
+    when either window has no noise figure (fewer than three samples, a mean that is not positive)."""
     noise_before, noise_after = relative_noise(before), relative_noise(after)
     if noise_before is None or noise_after is None:
         return None
     ratio = statistics.fmean(after) / statistics.fmean(before)
-    half = NormalDist().inv_cdf(0.5 + confidence / 2) * math.hypot(noise_before, noise_after)
+    noise = math.hypot(noise_before, noise_after, start_noise, start_noise)
+    half = NormalDist().inv_cdf(0.5 + confidence / 2) * noise
     return Interval(ratio * math.exp(-half), ratio * math.exp(half), confidence)
 
 
 def min_detectable_effect(
-    noise_before: float, noise_after: float, *, confidence: float = CONFIDENCE, power: float = POWER
+    noise_before: float,
+    noise_after: float,
+    *,
+    confidence: float = CONFIDENCE,
+    power: float = POWER,
+    start_noise: float = 0.0,
 ) -> float:
-    """The smallest relative change that two windows with these relative noises (`relative_noise`)
-    detect with probability `power`, when a decision acts only on an interval at `confidence` that
-    clears no-change: (z of the one-sided error + z of the power) × the noise of the ratio."""
+    """The smallest relative change that two windows with these relative noises (`relative_noise`), of
+    two vLLM starts whose means spread by `start_noise` each (0: one start), detect with probability
+    `power`, when a decision acts only on an interval at `confidence` that clears no-change: (z of the
+    one-sided error + z of the power) × the noise of the ratio."""
     z = NormalDist().inv_cdf
-    return (z(0.5 + confidence / 2) + z(power)) * math.hypot(noise_before, noise_after)
+    return (z(0.5 + confidence / 2) + z(power)) * math.hypot(
+        noise_before, noise_after, start_noise, start_noise
+    )
 
 
 def window_for(
@@ -130,6 +144,22 @@ def window_for(
         return math.inf
     shortest = min_detectable_effect(noise, noise, confidence=confidence, power=power)
     return window_s * (shortest / effect) ** 2
+
+
+def starts_per_arm(
+    effect: float, start_noise: float, *, confidence: float = CONFIDENCE, power: float = POWER
+) -> int:
+    """How many vLLM starts each side of a restart-grade comparison needs to detect a relative `effect`
+    when a start's mean spreads by `start_noise` (long windows: the within-start noise left out): the
+    part no window length removes, averaged over starts."""
+    if start_noise <= 0:
+        return 1
+    if effect <= 0:
+        return 10**9
+    z = NormalDist().inv_cdf
+    return max(
+        1, math.ceil(((z(0.5 + confidence / 2) + z(power)) * math.sqrt(2) * start_noise / effect) ** 2)
+    )
 
 
 def wilson(successes: float, n: float, *, confidence: float = CONFIDENCE) -> Interval | None:

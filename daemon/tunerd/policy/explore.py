@@ -36,7 +36,7 @@ the incumbent and the candidate are two vLLM starts, so each interleaved window 
 the budget's unit) — the confirmation would cost as much as the search. A probe of the point in force
 costs seconds. But probes of one start share that start: they cannot see the noise *between* starts (two
 starts of vLLM with the same flags served 2,256 and 3,511 tok/s on the 2-core box, issue 22). So a
-point's noise is its probes' noise plus `start_noise` (`tuning.explore_start_noise`, the relative spread
+point's noise is its probes' noise plus `start_noise` (`tuning.start_noise`, the relative spread
 of one start's mean; an operator's figure, no probe count shrinks it), added in quadrature:
     noise(point) = √((spread / √probes)² + start_noise²)
 where `spread` is the relative standard deviation of one probe pooled over every point this search

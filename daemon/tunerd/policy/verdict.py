@@ -64,7 +64,7 @@ relative noise and the minimum detectable effect the two windows implied (what `
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -74,11 +74,9 @@ from tunerd.core import stats
 from tunerd.core.signal_window import quantile_bucket_of
 from tunerd.policy.evidence import WindowStats, load_differs, relative_change
 from tunerd.policy.objective import Goodput, Objective, configured, feasible, for_trial
+from tunerd.policy.weigh import SPENT, Evidence, Weighed, weigh_ratio
 
 Decision = Literal["keep", "revert", "extend"]
-# What the evidence says of a performance change (`Verdict.evidence`).
-Evidence = Literal["better", "worse", "no difference", "no difference (budget spent)"]
-SPENT: Evidence = "no difference (budget spent)"
 
 
 @dataclass(frozen=True)
@@ -97,78 +95,6 @@ class Verdict:
     service: Mapping[str, object] = field(default_factory=dict)
     objective_reason: str = ""  # why the objective compared is not the configured one ("" when it is)
     evidence: Evidence | None = None  # None: decided before any evidence was weighed (load, a limit)
-
-
-@dataclass(frozen=True)
-class Weighed:
-    """What the samples of two windows say of the ratio after/before against `1 ± tolerance`: the
-    evidence (None: the interval straddles 1 + tolerance — not yet told) and its figures."""
-
-    evidence: Evidence | None
-    interval: stats.Interval | None
-    figures: dict[str, object]
-
-
-def weigh_ratio(
-    before: Sequence[float], after: Sequence[float], *, tolerance: float, confidence: float, spent: bool
-) -> Weighed:
-    """The evidence of the ratio mean(after) / mean(before) (the module doc's rule), for an objective
-    where higher is better; `spent`: the extension budget is spent (a straddle is then "no difference
-    (budget spent)"). No interval (fewer than three samples a side, no positive mean): "no difference"."""
-    interval = stats.mean_ratio_interval(before, after, confidence=confidence)
-    figures = sample_figures(before, after, confidence=confidence)
-    figures["ratio_interval"] = interval.as_list() if interval is not None else None
-    if interval is None:
-        return Weighed("no difference", None, figures)
-    if interval.side_of(1 + tolerance) == "above":
-        return Weighed("better", interval, figures)
-    if interval.side_of(1 - tolerance) == "below":
-        return Weighed("worse", interval, figures)
-    if interval.side_of(1 + tolerance) == "below":
-        return Weighed("no difference", interval, figures)
-    return Weighed(SPENT if spent else None, interval, figures)
-
-
-def sample_figures(
-    before: Sequence[float], after: Sequence[float], *, confidence: float
-) -> dict[str, object]:
-    """The samples behind a ratio, for the journal: n and effective n on each side, each window's
-    relative noise and the minimum detectable effect the two imply (core/stats.py)."""
-    noise_b, noise_a = stats.relative_noise(before), stats.relative_noise(after)
-    mde = None
-    if noise_b is not None and noise_a is not None:
-        mde = round(stats.min_detectable_effect(noise_b, noise_a, confidence=confidence), 4)
-    return {
-        "confidence": confidence,
-        "n_before": len(before),
-        "n_after": len(after),
-        "effective_n_before": round(stats.effective_samples(before), 1) if len(before) >= 3 else None,
-        "effective_n_after": round(stats.effective_samples(after), 1) if len(after) >= 3 else None,
-        "noise_before": None if noise_b is None else round(noise_b, 4),
-        "noise_after": None if noise_a is None else round(noise_a, 4),
-        "min_detectable_effect": mde,
-    }
-
-
-def noise_meter(
-    samples: Sequence[float], *, window_s: float, tolerance: float, confidence: float
-) -> dict[str, object] | None:
-    """The noise meter (`tunerd status`): the relative noise of one window's mean of `samples` (the
-    last `window_s` of the configuration in force), the smallest change two such windows detect, and
-    the window length that would detect `tolerance`. None with too few samples."""
-    noise = stats.relative_noise(samples)
-    if noise is None:
-        return None
-    need = stats.window_for(tolerance, noise, window_s, confidence=confidence)
-    return {
-        "window_s": window_s,
-        "samples": len(samples),
-        "effective_samples": round(stats.effective_samples(samples), 1),
-        "relative_noise": round(noise, 4),
-        "min_detectable_effect": round(stats.min_detectable_effect(noise, noise, confidence=confidence), 4),
-        "tolerance": tolerance,
-        "window_for_tolerance_s": None if need == float("inf") else round(need, 1),
-    }
 
 
 def judge(
@@ -216,7 +142,12 @@ def judge(
     weighed = None
     if samples_b is not None and samples_a is not None:
         weighed = weigh_ratio(
-            samples_b, samples_a, tolerance=tuning.tolerance, confidence=tuning.confidence, spent=budget_spent
+            samples_b,
+            samples_a,
+            tolerance=tuning.tolerance,
+            confidence=tuning.confidence,
+            spent=budget_spent,
+            start_noise=tuning.start_noise,  # the windows are of two vLLM starts
         )
     interval = weighed.interval if weighed is not None else None
     figures: dict[str, object] = {"saturated_before": before.saturated, "saturated_after": after.saturated}

@@ -22,12 +22,22 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Protocol
 
 from tunerd.core.stats import relative_noise
 from tunerd.policy.evidence import WindowStats
 from tunerd.policy.first_step import LostCap
 from tunerd.policy.objective import Goodput, Objective
 from tunerd.records.recorder import Recorder
+
+
+class DoorCap(Protocol):
+    """The door's cap as a curve moves it (supervise/door_link.DoorLink): set for a measurement, then
+    given back as the operator set it."""
+
+    def try_cap(self, cap: int, why: str) -> None: ...
+
+    def restore(self, why: str) -> None: ...
 
 
 class _Phase(Enum):

@@ -221,7 +221,7 @@ class Explorer:
             excess=excess,
             samples=baseline,
             probes=tuning.explore_probes,
-            start_noise=tuning.explore_start_noise,
+            start_noise=tuning.start_noise,
         )
         budget = self.memory.budget().left
         self.rec.record(

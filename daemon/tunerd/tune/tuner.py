@@ -35,7 +35,7 @@ import structlog
 
 from tunerd.config import Config
 from tunerd.config.rules import Rule, RuleSet
-from tunerd.core.params import EngineParams
+from tunerd.core.params import EngineParams, batch_defaults
 from tunerd.core.states import EngineState
 from tunerd.engine.process import EngineRun
 from tunerd.observe.poller import PollSample
@@ -52,10 +52,11 @@ from tunerd.policy.evidence import (
 from tunerd.policy.fired import Act, Alert, Defer, Facts, Mute, decide
 from tunerd.policy.first_step import LostCap
 from tunerd.policy.gates import window_open
-from tunerd.policy.objective import Goodput, Objective, Throughput
+from tunerd.policy.objective import Goodput, Objective, Throughput, configured, objective
 from tunerd.policy.rules import RuleState, TermValue, evaluate
 from tunerd.policy.tunables import NoProposal, Proposal
-from tunerd.policy.verdict import noise_meter, objective_in_force
+from tunerd.policy.verdict import objective_in_force
+from tunerd.policy.weigh import noise_meter
 from tunerd.records.experience import ExperienceKey
 from tunerd.records.metrics import Metrics
 from tunerd.records.recorder import Recorder
@@ -63,7 +64,7 @@ from tunerd.records.state import DaemonState
 from tunerd.supervise.capacity import PlanOutcome
 from tunerd.supervise.change import ChangeEvent
 from tunerd.supervise.lifecycle import Lifecycle
-from tunerd.tune.curve import CapCurve, CurvePoint, curve_lost_below_best, expected_from_curve
+from tunerd.tune.curve import CapCurve, CurvePoint, DoorCap, curve_lost_below_best, expected_from_curve
 from tunerd.tune.explore_triggers import ExploreTriggers
 from tunerd.tune.explorer import Explorer
 from tunerd.tune.fleet import Fleet, with_value
@@ -96,6 +97,7 @@ class Tuner:
         fleet: Fleet | None = None,
         restart_wait: Callable[[], str | None] | None = None,
         door_lost: Callable[[], Sequence[LostCap]] | None = None,
+        door: DoorCap | None = None,
     ) -> None:
         self.config = config
         self.rules = rules.rules if rules is not None else ()
@@ -125,6 +127,8 @@ class Tuner:
         # What the door's cap lost: its steered controller's memory, and the last curve's (of this run).
         self._curve_lost: tuple[int, LostCap] | None = None  # (run id, the largest cap below the best)
         self._curve_points: tuple[int, tuple[CurvePoint, ...], Objective] | None = None  # (run id, …)
+        self.door = door  # the front door's cap, for a curve (None: the door is off)
+        self._after_curve: tuple[Rule, WindowStats] | None = None  # a rule's step waiting on its curve
 
         def lost() -> tuple[LostCap, ...]:
             steered = tuple(door_lost()) if door_lost is not None else ()
@@ -260,7 +264,7 @@ class Tuner:
     def noise(self, now: float) -> dict[str, object] | None:
         """The noise meter (`tunerd status`): the objective's relative noise over the serving run's last
         `[tuning] window_s`, the smallest change a trial window of that length detects and the window
-        that would detect the tolerance (policy/verdict.noise_meter); None without enough polls."""
+        that would detect the tolerance (policy/weigh.noise_meter); None without enough polls."""
         tuning = self.config.tuning
         start = now - tuning.window_s
         run = self.life.engine.run
@@ -275,7 +279,11 @@ class Tuner:
             name = Throughput.name  # a latency quantile has no per-poll samples: throughput's noise
             samples = per_poll_rates([p for p in points if p.sample is not None], "generation_tokens_total")
         meter = noise_meter(
-            samples, window_s=tuning.window_s, tolerance=tuning.tolerance, confidence=tuning.confidence
+            samples,
+            window_s=tuning.window_s,
+            tolerance=tuning.tolerance,
+            confidence=tuning.confidence,
+            start_noise=tuning.start_noise,
         )
         return None if meter is None else {"objective": name, **meter}
 
@@ -448,9 +456,11 @@ class Tuner:
             and run.run_id == curve[0]
             and proposal.param == "max_num_seqs"
         ):
-            note = expected_from_curve(curve[1], curve[2], proposal.new)
-            if note is not None:
+            note = expected_from_curve(curve[1], curve[2], proposal.new)  # type: ignore[arg-type]
+            if note is not None:  # what the door's cap at that value served, without a restart
                 proposal = replace(proposal, notes=(*proposal.notes, note))
+        if not decision.dry_run and self._curve_first(rule, proposal, before, now):
+            return
         # The rule's terms before the change: its own window (`observe.window_s`) of this run, where
         # it just fired; `eased` reads the same statistic over the same length after the change.
         before_values = self._rule_values(now)
@@ -497,12 +507,15 @@ class Tuner:
 
     # -- the loop's step -----------------------------------------------------------------------------
 
-    def start_curve(
-        self, make: Callable[[Callable[[float, float], WindowStats | None]], CapCurve]
+    def measure_curve(
+        self, caps: Sequence[int], *, point_s: float, settle_s: float, trigger: str, now: float
     ) -> str | None:
-        """Measure the door's concurrency curve (`tunerd door --curve`): `make` builds it with the serving
-        run's window. None when it started, else why not (one experiment at a time, on a serving vLLM)."""
+        """Measure the door's concurrency curve at `caps` (`tunerd door --curve`, or before a restart of
+        max_num_seqs): None when it started, else why not (one experiment at a time, on a serving vLLM)."""
         run = self.life.engine.run
+        door = self.door
+        if door is None:
+            return "the front door is off: the curve moves its cap"
         if run is None or self.life.engine.state is not EngineState.RUNNING:
             return "vLLM is not serving"
         if self.trial is not None:
@@ -511,8 +524,75 @@ class Tuner:
             return "an exploration is running"
         if self.curve is not None:
             return "a curve is already being measured"
-        self.curve, self._curve_run = make(self._window), run.run_id
+        config = self.config
+        name = objective_in_force(config.tuning, config.objective, config.door.enabled).name
+        goal = configured(config.objective) if name == Goodput.name else objective(name)
+        self.curve = CapCurve(
+            caps,
+            point_s=point_s,
+            settle_s=settle_s,
+            goal=goal,
+            pin=door.try_cap,
+            give_back=lambda: door.restore(f"{trigger}: the curve is over"),
+            window=self._window,
+            recorder=self.rec,
+            trigger=trigger,
+            now=now,
+        )
+        self._curve_run = run.run_id
         return None
+
+    def _curve_first(self, rule: Rule, proposal: Proposal, before: WindowStats, now: float) -> bool:
+        """Before a restart that lowers max_num_seqs, with the door on: the door's cap at the new value and
+        at the value in force, measured on this run in seconds a point (no restart), unless this run's
+        curve measured the new value already. The step is proposed again once the curve is over (the cap
+        at it may have lost: tune/curve.py). True when the curve started (the restart waits)."""
+        if self.door is None or proposal.param != "max_num_seqs" or not isinstance(proposal.new, int):
+            return False
+        run, curve = self.life.engine.run, self._curve_points
+        if run is None or (
+            curve is not None and curve[0] == run.run_id and proposal.new in (p.cap for p in curve[1])
+        ):
+            return False
+        current = self._max_num_seqs_in_force()
+        if current is None or proposal.new >= current:
+            return False
+        tuning = self.config.tuning
+        trigger = (
+            f"rule {rule.name}: max_num_seqs {current} → {proposal.new} measured through the door's cap first"
+        )
+        if (
+            self.measure_curve(
+                (proposal.new, current), point_s=tuning.window_s / 2, settle_s=5.0, trigger=trigger, now=now
+            )
+            is not None
+        ):
+            return False
+        self._after_curve = (rule, before)
+        return True
+
+    def _max_num_seqs_in_force(self) -> int | None:
+        """The serving run's max_num_seqs, vLLM's default for its machine when unset (None: unknown)."""
+        run = self.life.engine.run
+        if run is None:
+            return None
+        if run.params.max_num_seqs is not None:
+            return run.params.max_num_seqs
+        if run.machine is None:
+            return None
+        return batch_defaults(run.machine.backend, run.machine.memory.gpu_total_bytes)[0]
+
+    def _after_the_curve(self, now: float) -> None:
+        """The curve a rule's step waited on is over: propose the step again (the curve's lost caps and
+        expected gain now known) and act on it, or journal why not."""
+        if self._after_curve is None:
+            return
+        (rule, before), self._after_curve = self._after_curve, None
+        proposal = self._propose(rule, before)
+        if isinstance(proposal, NoProposal):
+            self.rec.record("rule.deferred", rule=rule.name, reason=f"max_num_seqs: {proposal.reason}")
+            return
+        self._act(rule, Act(proposal, before, dry_run=False), now)
 
     def step(self, now: float) -> None:
         """Drive the trial, the exploration or the curve in progress (every loop tick)."""
@@ -526,13 +606,14 @@ class Tuner:
                 or self.life.engine.state is not EngineState.RUNNING
             ):
                 self.curve.abort("vLLM restarted or stopped: the curve measures one run")
-                self.curve = None
+                self.curve, self._after_curve = None, None
             elif self.curve.step(now):
                 self._curve_points = (self._curve_run or 0, tuple(self.curve.points), self.curve.goal)
                 below = curve_lost_below_best(self.curve.points, self.curve.goal)
                 if below is not None and self._curve_run is not None:
                     self._curve_lost = (self._curve_run, below)
                 self.curve = None
+                self._after_the_curve(now)
         if self.explorer is not None and self.triggers is not None:
             self.explorer.step(now)
             run = self.life.engine.run
