@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.probe_spread import stop  # noqa: E402  (vLLM's process group: SIGTERM, SIGKILL after 30 s)
 from tests.engine.conftest import cache_env, make_small_model  # noqa: E402
 from tests.harness import free_port  # noqa: E402
 from tests.load import ClosedLoopLoad  # noqa: E402
@@ -104,18 +104,6 @@ def start_vllm(work: Path, model: Path) -> tuple[subprocess.Popen[bytes], str]:
         time.sleep(0.5)
     stop(proc)
     raise SystemExit(f"vLLM did not answer 200 within 600 s; see {work / 'vllm.log'}")
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM to vLLM's process group (its engine core and worker share it); SIGKILL after 30 s."""
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def record(url: str, model: str, phase: str, clients: int, seconds: float, t0: float) -> list[dict]:

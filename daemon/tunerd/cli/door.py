@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -79,24 +78,14 @@ def cmd_door(args: argparse.Namespace) -> int:
 
 def _curve(args: argparse.Namespace) -> int:
     """`tunerd door --curve`: request it, then print its points from the journal as they come."""
-    from tunerd.cli.probe import _records_until, _request
+    from tunerd.cli.probe import _request, follow
 
     body = {"params": {"caps": args.curve, "point_s": args.point_s, "settle_s": args.settle_s}}
     requested = _request(args, "curve", body)
     if isinstance(requested, int):
         return requested
     _, token, journal, offset = requested
-    try:
-        for record in _records_until(journal, offset, math.inf):
-            line, code = curve_progress(record, token)
-            if line:
-                print(line, flush=True)
-            if code is not None:
-                return code
-    except KeyboardInterrupt:
-        print("\nthe curve goes on in the daemon; follow it with `tunerd journal -f`", file=sys.stderr)
-        return 130
-    return 1
+    return follow(journal, offset, lambda record: curve_progress(record, token), "the curve")
 
 
 def curve_progress(record: dict[str, Any], token: str) -> tuple[str | None, int | None]:

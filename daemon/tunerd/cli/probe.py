@@ -197,15 +197,29 @@ def cmd_explore(args: argparse.Namespace) -> int:
         return 0
     print(f"exploration of {', '.join(names)} requested; measuring the configuration in force first…")
     explore_id: int | None = None
+
+    def progress(record: Record) -> tuple[str | None, int | None]:
+        nonlocal explore_id
+        line, explore_id, finished = explore_progress(record, token, explore_id)
+        return line, finished
+
+    return follow(journal, offset, progress, "the exploration")
+
+
+def follow(
+    journal: str, offset: int, progress: Callable[[Record], tuple[str | None, int | None]], what: str
+) -> int:
+    """Print what `progress` makes of each journal record from `offset` until it gives an exit code
+    (`tunerd explore`, `tunerd door --curve`); Ctrl-C leaves `what` running in the daemon (130)."""
     try:
         for record in _records_until(journal, offset, math.inf):
-            line, explore_id, finished = explore_progress(record, token, explore_id)
+            line, code = progress(record)
             if line:
                 print(line, flush=True)
-            if finished is not None:
-                return finished
+            if code is not None:
+                return code
     except KeyboardInterrupt:
-        print("\nthe exploration goes on in the daemon; follow it with `tunerd journal -f`", file=sys.stderr)
+        print(f"\n{what} goes on in the daemon; follow it with `tunerd journal -f`", file=sys.stderr)
         return 130
     return 1
 
