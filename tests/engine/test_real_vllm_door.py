@@ -2,8 +2,9 @@
 
 On the tiny daemon the engine tier shares (conftest.tiny_daemon, the door on); clients call the door's port
 only, plain and streamed, without pause.
-1. A tuning restart (a rule that holds under any load steps max_num_seqs down: a trial, then its
-   verdict, kept or reverted by a second restart) with the hold timeout above the measured restart
+1. A tuning restart (a rule that holds under any load steps max_num_batched_tokens down: a trial, then
+   its verdict, kept or reverted by a second restart; not max_num_seqs, which with the door on is first
+   measured through the door's cap, without a restart) with the hold timeout above the measured restart
    time: zero client requests fail, every answer is whole, and the journal shows the drain, the
    restart and the release of the held requests.
 2. The engine core killed under the same load: noticed from vLLM itself, the whole old tree reaped (the
@@ -36,7 +37,7 @@ why = "the test's trial: holds under any load"
 all = ["requests.running_avg > 0"]
 for_s = 5
 cooldown_s = 3600
-action = { kind = "step", param = "max_num_seqs", direction = "down", factor = 0.5 }
+action = { kind = "step", param = "max_num_batched_tokens", direction = "down", factor = 0.5 }
 """
 
 
