@@ -86,6 +86,7 @@ def sections(model: str, params: dict[str, Any], **tuning: Any) -> dict[str, dic
             "warmup_s": WARMUP_S,
             "window_s": WINDOW_S,
             "max_extend_s": 0.0,
+            "max_starts": 1,
             "min_serving_s": 0.0,
             "restarts_per_hour": 100,
             "restarts_per_day": 100,

@@ -118,7 +118,13 @@ def run_scenario(name: str, model: Path, cache: dict[str, str], work: Path) -> d
         observe={"window_s": 10.0},
         # A trial long enough to see its relief: with a 20 s window the cap was verified (a loss: reverted)
         # before the 16 requests already in vLLM had finished and QUIET_S had passed.
-        tuning={"warmup_s": 5.0, "window_s": 60.0, "max_extend_s": 0.0, "min_serving_s": 0.0},
+        tuning={
+            "warmup_s": 5.0,
+            "window_s": 60.0,
+            "max_extend_s": 0.0,
+            "max_starts": 1,
+            "min_serving_s": 0.0,
+        },
         probe={"enabled": False},
     )
     daemon = Daemon(work, sections)

@@ -163,7 +163,13 @@ def tiny_daemon(
         engine__env={"VLLM_SERVER_DEV_MODE": "1"},  # engine.host is 127.0.0.1 (the default)
         observe={"poll_interval_s": 0.25, "window_s": 10.0},
         door={"enabled": True, "port": free_port(), "hold_timeout_s": 600.0, "drain_timeout_s": 60.0},
-        tuning={"warmup_s": 5.0, "window_s": 20.0, "max_extend_s": 0.0, "min_serving_s": 0.0},
+        tuning={
+            "warmup_s": 5.0,
+            "window_s": 20.0,
+            "max_extend_s": 0.0,
+            "max_starts": 1,
+            "min_serving_s": 0.0,
+        },
         probe={**PROBE, "interval_s": 0},
         cache_reset={"retries": 10, "retry_after_s": 2.0},  # no cron: `tunerd cache-reset` runs it now
     )

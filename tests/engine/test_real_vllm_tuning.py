@@ -103,6 +103,7 @@ def test_kv_pressure_is_tuned_one_verified_step_at_a_time_and_the_loop_stops(
             "warmup_s": 10.0,
             "window_s": 40.0,
             "max_extend_s": 30.0,
+            "max_starts": 1,  # one start a side: more is the unit tier's (tests/unit/test_tuner.py)
             "min_serving_s": 0.0,
             "mute_after_losses": 1,
         },

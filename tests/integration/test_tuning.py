@@ -54,7 +54,9 @@ def tuning_sections(workdir: Path, rules: str = KV_RULE, **tuning: Any) -> dict:
             "max_num_seqs": 16,
         },
         observe={"poll_interval_s": 0.5, "window_s": 3.0},
-        tuning={"warmup_s": 1.0, "window_s": 4.0, "max_extend_s": 2.0, "min_serving_s": 0.0} | LOOSE | tuning,
+        tuning={"warmup_s": 1.0, "window_s": 4.0, "max_extend_s": 2.0, "max_starts": 1, "min_serving_s": 0.0}
+        | LOOSE
+        | tuning,
     )
 
 

@@ -15,6 +15,7 @@ from tunerd.core.stats import (
     min_detectable_effect,
     proportion_difference,
     relative_noise,
+    starts_ratio,
     wilson,
     window_for,
 )
@@ -92,3 +93,39 @@ def test_the_minimum_detectable_effect_and_the_window_it_needs() -> None:
     needed = window_for(0.2069 / 2, 0.05, 30.0)
     assert needed == pytest.approx(120.0, rel=1e-3)
     assert window_for(0.0, 0.05, 30.0) == math.inf
+
+
+# -- several vLLM starts a side (starts_ratio) ------------------------------------------------------------
+
+
+def test_one_start_a_side_gives_the_plain_ratio_interval_with_the_start_noise() -> None:
+    rng = random.Random(3)
+    before, after = ar1(60, 0.3, rng), ar1(60, 0.3, rng, mean=110.0)
+    plain = mean_ratio_interval(before, after, confidence=0.95, start_noise=0.05)
+    several = starts_ratio([before], [after], confidence=0.95, start_noise=0.05)
+    assert plain is not None and several is not None
+    assert (several.interval.lo, several.interval.hi) == pytest.approx((plain.lo, plain.hi))
+    assert several.start_noise == pytest.approx(0.05) and several.starts == (1, 1)
+
+
+def test_more_starts_a_side_narrow_the_part_the_spread_between_starts_leaves() -> None:
+    rng = random.Random(4)
+    one = starts_ratio([ar1(60, 0.0, rng)], [ar1(60, 0.0, rng, mean=110.0)], start_noise=0.05)
+    four = starts_ratio(
+        [ar1(60, 0.0, rng) for _ in range(4)], [ar1(60, 0.0, rng, mean=110.0) for _ in range(4)],
+        start_noise=0.05,
+    )  # fmt: skip
+    assert one is not None and four is not None
+    assert one.limited_by_starts and four.between < one.between / 1.8
+    assert four.interval.hi / four.interval.lo < one.interval.hi / one.interval.lo
+
+
+def test_starts_that_disagree_more_than_the_setting_widen_their_own_interval() -> None:
+    rng = random.Random(5)
+    means = (80.0, 120.0, 90.0, 115.0)  # a spread of about 19 % a start, told 5 %
+    spread = starts_ratio(
+        [ar1(60, 0.0, rng, mean=m) for m in means], [ar1(60, 0.0, rng, mean=m * 1.1) for m in means],
+        start_noise=0.05,
+    )  # fmt: skip
+    assert spread is not None and spread.start_noise > 0.1
+    assert starts_ratio([[1.0, 2.0]], [[1.0, 2.0, 3.0]]) is None  # a window without a noise figure

@@ -309,7 +309,7 @@ def test_a_spread_between_starts_widens_the_interval_whatever_the_windows() -> N
     assert (spread.decision, spread.evidence) == ("revert", "no difference")  # no window could tell
     assert spread.interval is not None and spread.interval[0] < 1.05 < spread.interval[1]
     assert spread.figures["start_noise"] == 0.10
-    assert spread.figures["no_window_can_tell"] == "the spread between starts (10% a start) hides it"
+    assert spread.figures["no_window_can_tell"] == "the spread between starts (10.0% a start) hides it"
     # At 3 % a start a longer window could still tell: extended.
     assert verdict(before, after, start_noise=0.03).decision in ("keep", "extend")
     assert spread.figures["min_detectable_effect"] > 0.45  # (1.96 + 1.28) × √2 × 10 % and more
@@ -467,7 +467,7 @@ def test_the_verdict_carries_the_interval_of_the_mean_ratio_and_its_samples() ->
     before, after = noisy(1), noisy(2, 110.0)
     result = verdict(before, after)
     interval = mean_ratio_interval(before.throughput_samples, after.throughput_samples, confidence=0.95)
-    assert interval is not None and result.interval == (interval.lo, interval.hi)
+    assert interval is not None and result.interval == pytest.approx((interval.lo, interval.hi))
     assert (result.figures["n_before"], result.figures["n_after"]) == (30, 30)
     assert result.figures["effective_n_before"] is not None and result.figures["min_detectable_effect"] > 0
 

@@ -689,6 +689,73 @@ def test_a_clear_gain_is_kept_at_the_first_look(tmp_path: Path) -> None:
     assert "trial.extended" not in sim.rig.events()
 
 
+# Starts a side: a spread between vLLM starts of 5 % hides +18 % from one start a side (the interval's
+# half-width is at least 1.96 × √2 × 5 % ≈ 14 %), and the sim's windows are quiet: more starts, not longer
+# windows, are what tell.
+SEVERAL_STARTS = {"start_noise": 0.05, "max_starts": 3, "max_extend_s": 0.0, "restarts_per_hour": 100}
+
+
+def test_a_gain_the_spread_between_starts_hides_is_measured_over_more_starts_a_side_then_kept(
+    tmp_path: Path,
+) -> None:
+    landscape = {**LANDSCAPE, 16: Perf(2360.0, 1.0, 0.96)}  # 32 → 16: +18 %
+    sim = make_tuner(tmp_path, landscape=landscape, tuning=SEVERAL_STARTS)
+    sim.run_until(lambda: bool(sim.decided()) and sim.tuner.trial is None)
+    (extended,) = sim.rig.records("trial.extended")
+    assert (extended["by"], extended["starts_a_side"], extended["max_starts"]) == ("start", 2, 3)
+    assert "another vLLM start a side" in extended["reason"]
+    low, high = extended["evidence"]["ratio_interval"]
+    assert low < 1.05 < high  # one start a side could not tell
+    # The restarts alternate: the change, the configuration before, the change again; then it is kept.
+    assert [i["params"]["max_num_seqs"] for i in sim.rig.intents("trial")] == [16, 32, 16]
+    decided = sim.decided()[0]
+    assert (decided["decision"], decided["evidence"]) == ("kept", "better")
+    figures = decided["figures"]
+    assert (figures["starts_before"], figures["starts_after"]) == (2, 2)
+    assert len(figures["start_means_before"]) == 2 and len(figures["start_means_after"]) == 2
+    # The sim's starts agree with each other: pooled with the setting, the spread used is below 5 %.
+    assert 0 < figures["start_noise_pooled"] < 0.05
+    assert decided["ratio_interval"][0] > 1.05 and decided["windows"]["starts_a_side"] == 2
+    assert sim.params().max_num_seqs == 16 and sim.rig.dstate.last_known_good["max_num_seqs"] == 16
+
+
+def test_a_gain_that_max_starts_cannot_tell_is_reverted_as_no_difference_after_the_last_start(
+    tmp_path: Path,
+) -> None:
+    # +6 %: at 3 starts a side the spread between starts (5 % a start, pooled with the starts' own) still
+    # leaves the interval's low end below 1 + tolerance: "no difference", reverted after the third start.
+    landscape = {**LANDSCAPE, 16: Perf(2120.0, 1.0, 0.96)}
+    sim = make_tuner(tmp_path, landscape=landscape, tuning=SEVERAL_STARTS)
+    sim.run_until(lambda: bool(sim.decided()) and sim.tuner.trial is None)
+    assert [e["starts_a_side"] for e in sim.rig.records("trial.extended")] == [2, 3]
+    assert [i["params"]["max_num_seqs"] for i in sim.rig.intents("trial")] == [16, 32, 16, 32, 16]
+    decided = sim.decided()[0]
+    assert (decided["decision"], decided["evidence"]) == ("reverted", "no difference")
+    assert decided["figures"]["starts_after"] == 3 and "no_window_can_tell" in decided["figures"]
+    assert sim.rig.intents()[-1]["action"] == "revert" and sim.params().max_num_seqs == 32
+
+
+def test_a_start_of_the_configuration_before_that_fails_aborts_the_trial_without_blaming_the_change(
+    tmp_path: Path,
+) -> None:
+    landscape = {**LANDSCAPE, 16: Perf(2360.0, 1.0, 0.96)}
+    sim = make_tuner(tmp_path, landscape=landscape, tuning=SEVERAL_STARTS)
+    rig = sim.rig
+    sim.run_until(lambda: bool(rig.records("trial.extended")))
+    sim.answer_health = False
+    sim.run_until(lambda: rig.state is EngineState.STARTING)
+    run = rig.lifecycle.engine.run
+    assert run is not None and run.params.max_num_seqs == 32  # the configuration before's second start
+    rig.os.exit(run.pid, 1)
+    sim.answer_health = True
+    sim.run_until(lambda: sim.tuner.trial is None)
+    aborted = rig.last("trial.aborted")
+    assert "the configuration before failed to start" in aborted["reason"]
+    assert not sim.decided()
+    assert rig.state is EngineState.RUNNING and sim.params().max_num_seqs == 32
+    assert ("max_num_seqs", 16) not in {(e.param, e.value) for e in rig.dstate.tuning.tabu}
+
+
 def test_the_noise_meter_shows_the_objectives_noise_and_what_a_window_can_detect(tmp_path: Path) -> None:
     sim = make_tuner(tmp_path, rules=[])
     sim.run_for(60)

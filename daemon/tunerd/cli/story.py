@@ -107,6 +107,8 @@ def trial_decided(r: Record) -> str:
 
 def trial_plain(r: Record) -> str:
     extra = r.get("reason") or r.get("outcome") or ""
+    if r.get("by") == "start":  # trial.extended over more vLLM starts a side
+        extra += f" (start {r.get('starts_a_side')} of {r.get('max_starts')} a side)"
     return f"trial #{r.get('trial')} (rule {r.get('rule')}): {_change(r)} — {extra}"
 
 

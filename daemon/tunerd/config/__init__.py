@@ -332,6 +332,10 @@ class TuningConfig(_Section):
     # The relative spread of one vLLM start's mean objective that no window of it can see (a trial's and an
     # exploration's two sides are two starts): bench/noise.py measures it (docs/noise.md).
     start_noise: float = Field(default=0.05, ge=0, lt=1)
+    # The most vLLM starts a side one trial compares over (its first pair included): while the spread
+    # between starts is the larger part of a straddling ratio's noise, the trial restarts to the
+    # configuration before and to the change again, a window each (tune/trials.py). 1: one start a side.
+    max_starts: int = Field(default=32, ge=1, le=64)
     bounds: dict[str, tuple[float, float]] = Field(default_factory=dict)
 
     @field_validator("bounds", mode="before")

@@ -112,6 +112,77 @@ def mean_ratio_interval(
     return Interval(ratio * math.exp(-half), ratio * math.exp(half), confidence)
 
 
+# How many vLLM starts `[tuning] start_noise` stands for when a trial's own starts are pooled with it
+# (`starts_ratio`): its default was measured over 6 starts (bench/noise.py), 5 degrees of freedom.
+START_NOISE_PRIOR_DF = 5
+
+
+@dataclass(frozen=True, slots=True)
+class StartsRatio:
+    """The ratio after/before of an objective's mean over several vLLM starts a side (`starts_ratio`).
+
+    `interval`: of the geometric mean of the starts' ratios; `within` and `between`: the two parts of the
+    log ratio's standard error — the windows' own noise (shrinks with a longer window and with more
+    starts) and the spread between starts (shrinks only with more starts); `start_noise`: the spread of
+    one start's mean used, `[tuning] start_noise` pooled with what the trial's own starts showed."""
+
+    interval: Interval
+    within: float
+    between: float
+    start_noise: float
+    starts: tuple[int, int]
+    means: tuple[tuple[float, ...], tuple[float, ...]]
+
+    @property
+    def limited_by_starts(self) -> bool:
+        """The spread between starts is the larger part of the noise: another start a side buys more
+        than a longer window."""
+        return self.between >= self.within
+
+
+def starts_ratio(
+    before: Sequence[Sequence[float]],
+    after: Sequence[Sequence[float]],
+    *,
+    confidence: float = CONFIDENCE,
+    start_noise: float = 0.0,
+    prior_df: float = START_NOISE_PRIOR_DF,
+) -> StartsRatio | None:
+    """The interval of the ratio after/before when each side is measured in one window of each of several
+    vLLM starts (`before[i]`: the per-poll samples of the i-th start's window), normal on the log: each
+    side's estimate is the mean of its starts' log means, whose variance is the windows' own noise
+    (`relative_noise`, squared, over k²) plus the spread of a start's mean (s², over k). s² is
+    `start_noise`² pooled with what the starts showed: the spread of each side's log means beyond what
+    their windows' noise explains, weighted by its degrees of freedom against `prior_df` for the
+    configured figure (a box noisier than its setting widens the interval; one start a side: the setting).
+    One start a side gives `mean_ratio_interval`'s interval. None when a window has no noise figure."""
+    sides = []
+    for starts in (before, after):
+        figures = [(statistics.fmean(s), relative_noise(s)) for s in starts if len(s) >= 3]
+        if not figures or len(figures) != len(starts) or any(e is None or m <= 0 for m, e in figures):
+            return None
+        sides.append([(math.log(m), e or 0.0) for m, e in figures])
+    excess, df = prior_df * start_noise**2, prior_df
+    for side in sides:
+        k = len(side)
+        if k >= 2:
+            centre = statistics.fmean(x for x, _ in side)
+            spread = sum((x - centre) ** 2 for x, _ in side)
+            excess += spread - sum(e * e for _, e in side) * (k - 1) / k
+            df += k - 1
+    pooled = math.sqrt(max(excess, 0.0) / df) if df > 0 else start_noise
+    within_var = sum(sum(e * e for _, e in side) / len(side) ** 2 for side in sides)
+    between_var = sum(pooled**2 / len(side) for side in sides)
+    log_ratio = statistics.fmean(x for x, _ in sides[1]) - statistics.fmean(x for x, _ in sides[0])
+    half = NormalDist().inv_cdf(0.5 + confidence / 2) * math.sqrt(within_var + between_var)
+    interval = Interval(math.exp(log_ratio - half), math.exp(log_ratio + half), confidence)
+    means = tuple(tuple(math.exp(x) for x, _ in side) for side in sides)
+    return StartsRatio(
+        interval, math.sqrt(within_var), math.sqrt(between_var), pooled,
+        (len(sides[0]), len(sides[1])), (means[0], means[1]),
+    )  # fmt: skip
+
+
 def min_detectable_effect(
     noise_before: float,
     noise_after: float,

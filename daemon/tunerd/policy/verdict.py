@@ -16,6 +16,10 @@ objective's ratio after/before (`core.stats.mean_ratio_interval` of the per-poll
   trial doubles it, up to `[tuning] max_extend_s` in all, tune/trials.Windows) and judged again; once
   the budget is spent (`budget_spent`) → "no difference (budget spent)" → reverted. Not extended when
   the rule's condition did not ease: no evidence could make it a keep ("no difference", reverted).
+  When the spread between vLLM starts is the larger part of the noise and `starts_left`, the straddle
+  asks for another start a side instead (`Verdict.more` "start"; the trial's `earlier` windows then join
+  the evidence: policy/weigh.py), and it is "no difference" at once when even `[tuning] max_starts` a
+  side could not tell.
 A keep errs with at most (1 − confidence) / 2 at each look; the looks are few (the window doubles), and
 the simulation of tests/unit/test_verdict_noise.py measures what they add up to on this box's noise.
 A latency quantile (ITL p95, TTFT p95: one figure per window, no per-poll samples) has no interval: it
@@ -64,7 +68,7 @@ relative noise and the minimum detectable effect the two windows implied (what `
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -74,7 +78,7 @@ from tunerd.core import stats
 from tunerd.core.signal_window import quantile_bucket_of
 from tunerd.policy.evidence import WindowStats, load_differs, relative_change
 from tunerd.policy.objective import Goodput, Objective, configured, feasible, for_trial
-from tunerd.policy.weigh import SPENT, Evidence, Weighed, weigh_ratio
+from tunerd.policy.weigh import SPENT, Evidence, More, Weighed, weigh_ratio
 
 Decision = Literal["keep", "revert", "extend"]
 
@@ -95,6 +99,7 @@ class Verdict:
     service: Mapping[str, object] = field(default_factory=dict)
     objective_reason: str = ""  # why the objective compared is not the configured one ("" when it is)
     evidence: Evidence | None = None  # None: decided before any evidence was weighed (load, a limit)
+    more: More = "window"  # an "extend": what would tell — a longer window, or another start a side
 
 
 def judge(
@@ -107,11 +112,15 @@ def judge(
     budget_spent: bool,
     objective: ObjectiveConfig | None = None,
     door_enabled: bool = False,
+    earlier: tuple[Sequence[WindowStats], Sequence[WindowStats]] = ((), ()),
+    starts_left: bool = False,
 ) -> Verdict:
     """Decide a trial from its two windows (the module doc states the rules). `eased`: the triggering
     condition eased (rules.eased); `budget_spent`: the after window may not be extended again (its
     budget, `max_extend_s`, is spent); `objective` and `door_enabled`: `[objective]` and whether the door
-    measures it (None: no targets)."""
+    measures it (None: no targets); `earlier`: the windows of the earlier vLLM starts of each side, when
+    the trial compares over several (`before` and `after` are the latest); `starts_left`: another start a
+    side may still be spent (`[tuning] max_starts`)."""
     config = objective if objective is not None else ObjectiveConfig()
     applies = objective_in_force(tuning, config, door_enabled)
     service = service_levels(before, after, config)
@@ -138,16 +147,18 @@ def judge(
     else:
         goal = for_trial(applies.name, before, after, tuning.tolerance)
     b, a = goal.of(before), goal.of(after)
-    samples_b, samples_a = goal.samples(before), goal.samples(after)
+    starts_b, starts_a = _starts(goal, earlier[0], before), _starts(goal, earlier[1], after)
     weighed = None
-    if samples_b is not None and samples_a is not None:
+    if starts_b and starts_a:
         weighed = weigh_ratio(
-            samples_b,
-            samples_a,
+            starts_b,
+            starts_a,
             tolerance=tuning.tolerance,
             confidence=tuning.confidence,
             spent=budget_spent,
-            start_noise=tuning.start_noise,  # the windows are of two vLLM starts
+            start_noise=tuning.start_noise,  # the windows are of two (or more) vLLM starts
+            starts_left=starts_left,
+            max_starts=tuning.max_starts,
         )
     interval = weighed.interval if weighed is not None else None
     figures: dict[str, object] = {"saturated_before": before.saturated, "saturated_after": after.saturated}
@@ -155,12 +166,16 @@ def judge(
         figures.update(weighed.figures)
 
     def verdict(
-        decision: Decision, reason: str, evidence: Evidence | None, inconclusive: bool = False
+        decision: Decision,
+        reason: str,
+        evidence: Evidence | None,
+        inconclusive: bool = False,
+        more: More | None = None,
     ) -> Verdict:
         pair = (interval.lo, interval.hi) if interval is not None else None
         return Verdict(
             decision, reason, goal.name, b, a, pair, inconclusive, figures, goal.unit, goal,
-            service, applies.reason, evidence,
+            service, applies.reason, evidence, more or "window",
         )  # fmt: skip
 
     if purpose == "safety":
@@ -169,7 +184,7 @@ def judge(
             return verdict("keep", "the safety condition eased", said)
         return verdict("revert", "the safety condition did not ease", said)
     if goodput:
-        decision, reason, evidence, inconclusive = _by_goodput(
+        decision, reason, evidence, inconclusive, more = _by_goodput(
             before,
             after,
             goal,
@@ -180,15 +195,28 @@ def judge(
             confidence=tuning.confidence,
         )
         figures.update(_attainment_figures(before, after, tuning.confidence))
-        return verdict(decision, reason, evidence, inconclusive)
+        return verdict(decision, reason, evidence, inconclusive, more)
     if weighed is None:
         evidence = _by_figures(goal, b, a)
         if evidence is None:
             return verdict("revert", f"{goal.name} unknown in a window", None)
     else:
         evidence = _unless_hopeless(weighed.evidence, eased)
-    decision, reason = _act_on(evidence, goal, b, a, interval, eased=eased, tolerance=tuning.tolerance)
-    return verdict(decision, reason, evidence)
+    more = weighed.more if weighed is not None else None
+    decision, reason = _act_on(
+        evidence, goal, b, a, interval, eased=eased, tolerance=tuning.tolerance, more=more
+    )
+    return verdict(decision, reason, evidence, more=more)
+
+
+def _starts(goal: Objective, earlier: Sequence[WindowStats], latest: WindowStats) -> list[Sequence[float]]:
+    """One side's per-poll samples of the objective, a window per vLLM start (earlier starts first);
+    empty when the latest window has none (a latency quantile: judged on its figures). An earlier window
+    without samples is left out."""
+    samples = [goal.samples(window) for window in (*earlier, latest)]
+    if samples[-1] is None:
+        return []
+    return [s for s in samples if s is not None]
 
 
 def _unless_hopeless(evidence: Evidence | None, eased: bool) -> Evidence | None:
@@ -217,8 +245,10 @@ def _act_on(
     *,
     eased: bool,
     tolerance: float,
+    more: More | None = None,
 ) -> tuple[Decision, str]:
-    """What a performance change's evidence decides (module doc), with the reason an operator reads."""
+    """What a performance change's evidence decides (module doc), with the reason an operator reads
+    (`more`: what a straddle asks for)."""
     change = relative_change(b, a)
     moved = f"{goal.name} {goal.describe(b)} → {goal.describe(a)}"
     if change is not None:
@@ -226,7 +256,8 @@ def _act_on(
     if interval is not None:
         moved += f", ratio interval [{interval.lo:.3f}, {interval.hi:.3f}]"
     if evidence is None:
-        return "extend", f"{moved} straddles 1 + tolerance {tolerance:.0%}: window extended"
+        then = "another vLLM start a side" if more == "start" else "window extended"
+        return "extend", f"{moved} straddles 1 + tolerance {tolerance:.0%}: {then}"
     if evidence != "worse" and not eased:  # no keep was possible whatever the evidence
         return "revert", f"{moved}: {evidence}; the triggering condition did not ease"
     if evidence == "better":
@@ -275,24 +306,24 @@ def _by_goodput(
     eased: bool,
     spent: bool,
     confidence: float,
-) -> tuple[Decision, str, Evidence | None, bool]:
-    """(decision, reason, evidence, inconclusive) of a performance change under goodput (rules 1-5,
-    module doc)."""
+) -> tuple[Decision, str, Evidence | None, bool, More | None]:
+    """(decision, reason, evidence, inconclusive, more) of a performance change under goodput (rules 1-5,
+    module doc; `more`: what rule 5's straddle asks for, None elsewhere: a longer window)."""
     least = objective.min_requests
     n_before, n_after = Goodput.requests(before) or 0, Goodput.requests(after) or 0
     if n_before < least:
         text = f"{n_before:.0f} requests before the change (min_requests {least})"
-        return "revert", f"inconclusive: {text}", None, True
+        return "revert", f"inconclusive: {text}", None, True, None
     if n_after < least:
         text = f"{n_after:.0f} requests after the change (min_requests {least})"
         if not spent:
-            return "extend", f"too few requests to judge: {text}: window extended", None, False
-        return "revert", f"inconclusive: {text}", None, True
+            return "extend", f"too few requests to judge: {text}: window extended", None, False, None
+        return "revert", f"inconclusive: {text}", None, True, None
     share_b, share_a = Goodput.attainment(before), Goodput.attainment(after)
     target = objective.attainment
     ok_b, ok_a = feasible(share_b, target), feasible(share_a, target)
     if ok_b is None or ok_a is None or share_b is None or share_a is None:
-        return "revert", "attainment unknown in a window (no targets?)", None, False
+        return "revert", "attainment unknown in a window (no targets?)", None, False, None
     shares = f"attainment {share_b:.1%} → {share_a:.1%} (target {target:.0%})"
     b, a = goal.of(before), goal.of(after)
     good = f"{goal.name} {goal.describe(b)} → {goal.describe(a)}"
@@ -300,39 +331,55 @@ def _by_goodput(
         if weighed is None:
             evidence = _by_figures(goal, b, a)
             if evidence is None:
-                return "revert", f"{goal.name} unknown in a window", None, False
+                return "revert", f"{goal.name} unknown in a window", None, False, None
         else:
             evidence = _unless_hopeless(weighed.evidence, eased)
         interval = weighed.interval if weighed is not None else None
-        decision, reason = _act_on(evidence, goal, b, a, interval, eased=eased, tolerance=goal.tolerance)
-        return decision, f"feasible ({shares}), {reason}", evidence, False
+        more = weighed.more if weighed is not None else None
+        decision, reason = _act_on(
+            evidence, goal, b, a, interval, eased=eased, tolerance=goal.tolerance, more=more
+        )
+        return decision, f"feasible ({shares}), {reason}", evidence, False, more
     diff = _attainment_difference(before, after, confidence)
     if diff is None:
-        return "revert", "attainment unknown in a window (no requests?)", None, False
+        return "revert", "attainment unknown in a window (no requests?)", None, False, None
     told = f"{shares}, difference [{diff.lo:+.3f}, {diff.hi:+.3f}]"
     if ok_b:  # rule 3: feasible → infeasible
         evidence: Evidence = "worse" if diff.side_of(0.0) == "below" else "no difference"
-        return "revert", f"no longer feasible: {told}; {good}", evidence, False
+        return "revert", f"no longer feasible: {told}; {good}", evidence, False, None
     if ok_a:  # rule 2: infeasible → feasible
         if diff.side_of(0.0) == "above":
-            return "keep", f"feasible now: {told}; {good}", "better", False
+            return "keep", f"feasible now: {told}; {good}", "better", False, None
         if not spent:
             return (
                 "extend",
                 f"feasible now by the point figure, but {told} straddles 0: window extended",
                 None,
                 False,
+                None,
             )
-        return "revert", f"feasible by the point figure only: {told} (budget spent)", SPENT, False
+        return "revert", f"feasible by the point figure only: {told} (budget spent)", SPENT, False, None
     margin = goal.tolerance * share_b  # rule 4: both infeasible
     if diff.side_of(margin) == "above":
-        return "keep", f"still infeasible, but {told} improved beyond the tolerance", "better", False
+        return "keep", f"still infeasible, but {told} improved beyond the tolerance", "better", False, None
     if diff.side_of(margin) == "below":
         evidence = "worse" if diff.side_of(-margin) == "below" else "no difference"
-        return "revert", f"still infeasible and {told} did not improve beyond the tolerance", evidence, False
+        return (
+            "revert",
+            f"still infeasible and {told} did not improve beyond the tolerance",
+            evidence,
+            False,
+            None,
+        )
     if not spent:
-        return "extend", f"still infeasible; {told} straddles the tolerance: window extended", None, False
-    return "revert", f"still infeasible; {told}: no difference told (budget spent)", SPENT, False
+        return (
+            "extend",
+            f"still infeasible; {told} straddles the tolerance: window extended",
+            None,
+            False,
+            None,
+        )
+    return "revert", f"still infeasible; {told}: no difference told (budget spent)", SPENT, False, None
 
 
 def _attainment_difference(

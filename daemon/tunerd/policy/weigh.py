@@ -2,7 +2,8 @@
 figures behind it, and the noise meter — what policy/verdict.py decides a trial on and `tunerd status`
 shows (issue 22). The statistics are core/stats.py's: the noise of a window's mean over its effective
 samples, and `start_noise`, the spread of one vLLM start's mean that no window of it sees (a trial's two
-windows are of two starts)."""
+windows are of two starts; a comparison over several starts a side pools it with what they showed,
+`core.stats.starts_ratio`)."""
 
 from __future__ import annotations
 
@@ -19,50 +20,107 @@ Evidence = Literal["better", "worse", "no difference", "no difference (budget sp
 SPENT: Evidence = "no difference (budget spent)"
 
 
+# What a straddling ratio needs next: a longer window (the windows' own noise is the larger part) or
+# another vLLM start a side (the spread between starts is, and no window removes it).
+More = Literal["window", "start"]
+
+
 @dataclass(frozen=True)
 class Weighed:
-    """What the samples of two windows say of the ratio after/before against `1 ± tolerance`: the
-    evidence (None: the interval straddles 1 + tolerance — not yet told) and its figures."""
+    """What the samples of two sides say of the ratio after/before against `1 ± tolerance`: the
+    evidence (None: the interval straddles 1 + tolerance — not yet told, and `more` says what would
+    tell) and its figures."""
 
     evidence: Evidence | None
     interval: stats.Interval | None
     figures: dict[str, object]
+    more: More | None = None
 
 
 def weigh_ratio(
-    before: Sequence[float],
-    after: Sequence[float],
+    before: Sequence[Sequence[float]],
+    after: Sequence[Sequence[float]],
     *,
     tolerance: float,
     confidence: float,
     spent: bool,
     start_noise: float = 0.0,
+    starts_left: bool = False,
+    max_starts: int = 1,
 ) -> Weighed:
-    """The evidence of the ratio mean(after) / mean(before) (the module doc's rule), for an objective
-    where higher is better; `spent`: the extension budget is spent (a straddle is then "no difference
-    (budget spent)"); `start_noise`: the spread of a vLLM start's mean that no window of it sees (the two
-    windows are of two starts). No interval (fewer than three samples a side, no positive mean): "no
-    difference"."""
-    interval = stats.mean_ratio_interval(before, after, confidence=confidence, start_noise=start_noise)
-    figures = sample_figures(before, after, confidence=confidence, start_noise=start_noise)
+    """The evidence of the ratio of an objective's mean after/before (the module doc's rule), for an
+    objective where higher is better. Each side is one window per vLLM start (`before[i]`: the per-poll
+    samples of its i-th start; one start a side is the plain before/after); `start_noise`: the spread of
+    a start's mean that no window of it sees (core/stats.starts_ratio pools it with the starts' own).
+    A straddle asks for `more`: another start a side while `starts_left` and the spread between starts is
+    the larger part of the noise (or, where there is such a spread, no window extension is left:
+    `spent`), else a longer window while
+    one is left, else it is "no difference (budget spent)". It is "no difference" at once when even the
+    ratio's high end could not clear 1 + tolerance with only the spread between `max_starts` starts a
+    side left: no window or start the trial may still spend could tell. No interval (fewer than three
+    samples a side, no positive mean): "no difference"."""
+    ratio = stats.starts_ratio(before, after, confidence=confidence, start_noise=start_noise)
+    figures = sample_figures(before[-1], after[-1], confidence=confidence, start_noise=start_noise)
+    interval = ratio.interval if ratio is not None else None
     figures["ratio_interval"] = interval.as_list() if interval is not None else None
-    if interval is None:
+    if ratio is None or interval is None:
         return Weighed("no difference", None, figures)
+    figures.update(_starts_figures(ratio, confidence))
     if interval.side_of(1 + tolerance) == "above":
         return Weighed("better", interval, figures)
     if interval.side_of(1 - tolerance) == "below":
         return Weighed("worse", interval, figures)
     if interval.side_of(1 + tolerance) == "below":
         return Weighed("no difference", interval, figures)
-    # Longer windows shrink the windows' own noise, never the spread between starts: when the ratio at
-    # the high end of what the windows allow, with only that spread left, could not clear 1 + tolerance,
-    # no window can.
-    within = stats.mean_ratio_interval(before, after, confidence=confidence)
-    floor = math.exp(NormalDist().inv_cdf(0.5 + confidence / 2) * math.sqrt(2) * start_noise)
-    if start_noise > 0 and within is not None and within.hi / floor <= 1 + tolerance:
-        figures["no_window_can_tell"] = f"the spread between starts ({start_noise:.0%} a start) hides it"
+    if _hopeless(ratio, tolerance, confidence, starts_left=starts_left, max_starts=max_starts):
+        figures["no_window_can_tell"] = (
+            f"the spread between starts ({ratio.start_noise:.1%} a start) hides it"
+            + (f" at {max_starts} starts a side" if starts_left else "")
+        )
         return Weighed("no difference", interval, figures)
-    return Weighed(SPENT if spent else None, interval, figures)
+    if starts_left and ratio.between > 0 and (ratio.limited_by_starts or spent):
+        return Weighed(None, interval, figures, "start")
+    return Weighed(SPENT if spent else None, interval, figures, None if spent else "window")
+
+
+def _hopeless(
+    ratio: stats.StartsRatio, tolerance: float, confidence: float, *, starts_left: bool, max_starts: int
+) -> bool:
+    """Even the most the trial may still spend could not make a keep: longer windows shrink the windows'
+    own noise, never the spread between starts, and more starts shrink that only to `max_starts` a side.
+    With no start left: the ratio at the high end the windows allow, with only the starts' spread left
+    (the lower end of the best interval any window could give), stays at or below 1 + tolerance. With
+    starts left: the ratio at the high end of the whole interval, with only the spread between
+    `max_starts` starts a side left."""
+    if ratio.between <= 0:
+        return False
+    z = NormalDist().inv_cdf(0.5 + confidence / 2)
+    centre = math.sqrt(ratio.interval.lo * ratio.interval.hi)
+    if not starts_left:
+        best_low = centre * math.exp(z * (ratio.within - ratio.between))
+    else:
+        total = math.hypot(ratio.within, ratio.between)
+        floor = ratio.start_noise * math.sqrt(2 / max_starts)
+        best_low = centre * math.exp(z * (total - floor))
+    return best_low <= 1 + tolerance
+
+
+def _starts_figures(ratio: stats.StartsRatio, confidence: float) -> dict[str, object]:
+    """The starts behind a ratio, for the journal: how many a side, their means, the spread of a start
+    used (the setting pooled with the trial's own), the two parts of the noise and the smallest change
+    all of it can detect."""
+    z = NormalDist().inv_cdf
+    total = math.hypot(ratio.within, ratio.between)
+    return {
+        "starts_before": ratio.starts[0],
+        "starts_after": ratio.starts[1],
+        "start_means_before": [round(m, 3) for m in ratio.means[0]],
+        "start_means_after": [round(m, 3) for m in ratio.means[1]],
+        "start_noise_pooled": round(ratio.start_noise, 4),
+        "noise_within": round(ratio.within, 4),
+        "noise_between_starts": round(ratio.between, 4),
+        "min_detectable_effect": round((z(0.5 + confidence / 2) + z(stats.POWER)) * total, 4),
+    }
 
 
 def sample_figures(

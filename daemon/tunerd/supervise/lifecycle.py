@@ -490,7 +490,13 @@ class Lifecycle:
     # -- changes (supervise/change.py) -------------------------------------------------------------
 
     def request(
-        self, params: EngineParams, reason: str, owner: Owner, ref: int, plan: PlanOutcome | None = None
+        self,
+        params: EngineParams,
+        reason: str,
+        owner: Owner,
+        ref: int,
+        plan: PlanOutcome | None = None,
+        revert_to: EngineParams | None = None,
     ) -> int | None:
         """Restart a serving engine with `params` as a change of `owner` (journaled as trial `ref`),
         through the normal start path. Its id, whose outcome comes back as `ChangeEvent`s on the loop's
@@ -498,10 +504,12 @@ class Lifecycle:
         intent could not be made durable.
 
         `plan`: the capacity planner's outcome for exactly `params`, asked by the owner before the
-        request (a refusal costs no restart): the start's preflight uses it instead of asking again."""
+        request (a refusal costs no restart): the start's preflight uses it instead of asking again.
+        `revert_to`: what a revert restarts with (default: the parameters in force; a trial's later
+        starts name the configuration before the change, whichever side serves now)."""
         if self.engine.state is not EngineState.RUNNING or self.shutting_down:
             return None
-        change_id = self.slot.open(params, self.params, reason, owner, ref)
+        change_id = self.slot.open(params, revert_to or self.params, reason, owner, ref)
         pending = self.pending
         if change_id is not None and pending is not None and pending.params == params:
             pending.plan = plan

@@ -70,8 +70,9 @@ TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     Phase.APPLYING: frozenset({Phase.WARMUP, Phase.REVERTING, Phase.NONE}),
     Phase.WARMUP: frozenset({Phase.MEASURING, Phase.REVERTING, Phase.NONE}),
     Phase.MEASURING: frozenset({Phase.DECIDED, Phase.REVERTING, Phase.NONE}),
-    # → PLANNING | FINISHING: an exploration's next point, or its best; → NONE: kept (or refused).
-    Phase.DECIDED: frozenset({Phase.PLANNING, Phase.FINISHING, Phase.REVERTING, Phase.NONE}),
+    # → PLANNING | FINISHING: an exploration's next point, or its best; → APPLYING: a trial's next start of
+    # a comparison over several starts a side (both sides planned already); → NONE: kept (or refused).
+    Phase.DECIDED: frozenset({Phase.PLANNING, Phase.APPLYING, Phase.FINISHING, Phase.REVERTING, Phase.NONE}),
     # An exploration goes on after a failed point's revert; a trial's revert ends it.
     Phase.REVERTING: frozenset({Phase.PLANNING, Phase.FINISHING, Phase.NONE}),
     Phase.FINISHING: frozenset({Phase.NONE}),
@@ -207,11 +208,13 @@ class Experiment:
         *,
         plan: PlanOutcome | None = None,
         phase: Phase = Phase.APPLYING,
+        revert_to: EngineParams | None = None,
     ) -> bool:
         """Restart with `params` as this experiment's change (phase `phase`: APPLYING, or FINISHING for
-        an exploration's best point), with the planner's outcome when it was asked. False, nothing
-        done, when the restart could not be announced."""
-        self.change_id = self.life.request(params, reason, self.owner, self.ref, plan)
+        an exploration's best point), with the planner's outcome when it was asked; a revert restarts
+        with `revert_to` (default: the parameters in force). False, nothing done, when the restart
+        could not be announced."""
+        self.change_id = self.life.request(params, reason, self.owner, self.ref, plan, revert_to)
         if self.change_id is None:
             return False
         self._restarted()

@@ -8,6 +8,12 @@ it by the objective in force (policy/verdict.py: goodput with its targets and th
 doubles (`Windows`: `[tuning] window_s`, then twice that, ... up to `max_extend_s` more in all) and the
 before window grows with it, as far back as the run before the change served past its warm-up (the
 same run's polls; the tuner's `before_for`), so that the evidence on both sides grows together.
+When the spread between vLLM starts is the larger part of a straddling ratio's noise (no window removes
+it: `[tuning] start_noise`, docs/noise.md), the trial compares over more starts a side instead, up to
+`[tuning] max_starts`: it restarts to the configuration before and measures a window, restarts to the
+change again and measures a window, and judges every start of both sides together (policy/weigh.py);
+each such start is an applying of this same experiment (the change left un-promoted in between), and the
+verdict is always taken with the change in force, so keep and revert stay what they were.
 Kept (the parameters become
 last-known-good and the new baseline) or reverted (the value goes tabu; a rule that keeps losing is
 muted). It tells
@@ -21,13 +27,14 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 import structlog
 
 from tunerd.config import Config
 from tunerd.config.rules import Rule
 from tunerd.core.failures import EngineFailure
+from tunerd.core.params import EngineParams
 from tunerd.engine.process import EngineRun
 from tunerd.policy.evidence import Point, WindowStats
 from tunerd.policy.rules import TermValue, eased, term_value
@@ -44,6 +51,11 @@ from tunerd.tune.recall import Recall
 log = structlog.get_logger("tunerd")
 
 
+# The starts a side at which a comparison over several starts looks at its evidence: √2 apart (1, 2, 3, 4,
+# 6, 8, 11, 16, 23, 32, 45, 64), as the window doubles in length.
+_LOOKS = frozenset(round(2 ** (i / 2)) for i in range(13))
+
+
 @dataclass(frozen=True)
 class Windows:
     """A trial's window length and its extension budget (pure): the first window is `window_s`; each
@@ -55,6 +67,8 @@ class Windows:
     max_extend_s: float
     extended_s: float = 0.0
     extensions: int = 0
+    starts: int = 1  # vLLM starts a side measured so far (a comparison over several: `another_start`)
+    max_starts: int = 1  # `[tuning] max_starts`
 
     @property
     def length(self) -> float:
@@ -70,20 +84,44 @@ class Windows:
         step = min(self.length, self.max_extend_s - self.extended_s)
         return replace(self, extended_s=self.extended_s + max(step, 0.0), extensions=self.extensions + 1)
 
+    @property
+    def starts_left(self) -> bool:
+        """Another vLLM start a side may be spent."""
+        return self.starts < self.max_starts
+
+    @property
+    def look_due(self) -> bool:
+        """The evidence is looked at when the starts a side reach a power of two (1, 2, 4, 8, …) or
+        `max_starts`: like the window's doubling, few looks keep the chance of a keep on noise near the
+        interval's own (a look at every start kept +2.5 % in 5.0-5.5 % of simulated trials at a 7 %
+        spread between starts, tests/unit/test_verdict_noise.py)."""
+        return self.starts in _LOOKS or self.starts >= self.max_starts
+
+    def another_start(self) -> Windows:
+        """One more start a side, each measured in a window of the length reached: the window stops
+        growing once starts are added (the spread between starts is then the larger part)."""
+        return replace(self, starts=self.starts + 1, max_extend_s=self.extended_s)
+
 
 def judge_windows(
     windows: Windows,
     before: WindowStats,
     after: WindowStats | None,
-    judge_with: Callable[[WindowStats, WindowStats, bool], Verdict],
+    judge_with: Callable[[WindowStats, WindowStats, Windows], Verdict],
 ) -> Verdict:
-    """One look at a trial's evidence: `judge_with(before, after, budget_spent)` (policy/verdict.judge
-    with the trial's settings) on the windows of `windows.length`; no after window: no evidence. A
-    verdict "extend" asks for `windows.extend()` and another look (the trial's loop; the unit tier's
-    simulation runs this same loop, tests/unit/test_verdict_noise.py)."""
+    """One look at a trial's evidence: `judge_with(before, after, windows)` (policy/verdict.judge with
+    the trial's settings, `windows.spent` its budget_spent and `windows.starts_left` its starts_left) on
+    the latest windows of `windows.length`, when a look is due (`Windows.look_due`; else another start a
+    side, unjudged); no after window: no evidence. A verdict "extend" asks for
+    `windows.extend()` and another look, or (`Verdict.more` "start", while `windows.starts_left`)
+    `windows.another_start()` and a start of each side (the trial's loop; the unit tier's simulation
+    runs this same loop, tests/unit/test_verdict_noise.py)."""
     if after is None:
         return Verdict("revert", "no evidence: too few samples in the after window")
-    return judge_with(before, after, windows.spent)
+    if not windows.look_due:
+        nxt = min(min(n for n in _LOOKS if n > windows.starts), windows.max_starts)
+        return Verdict("extend", f"another vLLM start a side: the next look at {nxt} a side", more="start")
+    return judge_with(before, after, windows)
 
 
 def spent_figures(windows: Windows, before: WindowStats, after: WindowStats | None) -> dict[str, object]:
@@ -94,6 +132,7 @@ def spent_figures(windows: Windows, before: WindowStats, after: WindowStats | No
         "window_s": round(windows.length, 1),
         "before_s": round(before.seconds, 1),
         "after_s": round(after.seconds, 1) if after is not None else None,
+        "starts_a_side": windows.starts,
     }
 
 
@@ -137,7 +176,14 @@ class Trial:
         self.before_values = before_values  # the rule's window where it fired
         self.before_for = before_for
         self.window_start: float | None = None
-        self.windows = Windows(ctx.config().tuning.window_s, ctx.config().tuning.max_extend_s)
+        self.windows = self._windows()
+        # A comparison over several vLLM starts a side (`[tuning] max_starts`): the side the running start
+        # measures, the configuration before the change (what its starts restart to), the windows of the
+        # earlier starts of each side, and the latest start's window of the configuration before.
+        self.leg: Literal["after", "before"] = "after"
+        self.params_before = ctx.lifecycle.params
+        self.earlier: tuple[list[WindowStats], list[WindowStats]] = ([], [])
+        self.before_start: WindowStats | None = None
         self.verdict: Verdict | None = None
         self.after: WindowStats | None = None
         self.experiment = Experiment(
@@ -200,21 +246,41 @@ class Trial:
         self._end()
 
     def on_warm(self, now: float) -> None:
-        self.window_start = now  # the after window opens
-        tuning = self.ctx.config().tuning  # the settings in force when it opens (a reload: the next trial)
-        self.windows = Windows(tuning.window_s, tuning.max_extend_s)
+        self.window_start = now  # the after window (or a later start's window of either side) opens
+        if self.windows.starts == 1:
+            self.windows = self._windows()  # the settings in force when it opens (a reload: the next trial)
+
+    def _windows(self) -> Windows:
+        tuning = self.ctx.config().tuning
+        return Windows(tuning.window_s, tuning.max_extend_s, max_starts=tuning.max_starts)
 
     def on_measuring(self, now: float) -> None:
-        """The after window of `windows.length` (doubled at each extension), then a look at the evidence."""
+        """The window of `windows.length` (doubled at each extension), then a look at the evidence, or,
+        on a start of the configuration before, the restart to the change again."""
         assert self.window_start is not None
-        if now - self.window_start >= self.windows.length:
+        if now - self.window_start < self.windows.length:
+            return
+        if self.leg == "before":
+            self._before_measured(now)
+        else:
             self._decide(now)
 
     def on_served(self, now: float) -> None:
         """Not a trial's: a trial never restarts to a best point (FINISHING)."""
 
     def on_failed(self, failure: EngineFailure, now: float) -> None:
-        """Its start or run failed: a loss; the lifecycle reverts at once (its Experiment: REVERTING)."""
+        """Its start or run failed: a loss; the lifecycle reverts at once (its Experiment: REVERTING). A
+        start of the configuration before that fails during a comparison over several starts is not the
+        change's loss: the trial is aborted (the lifecycle restarts the configuration before)."""
+        if self.leg == "before":
+            self.ctx.recorder.record(
+                "trial.aborted",
+                **self.describe(),
+                reason=f"the configuration before failed to start during the comparison: {failure.kind}",
+                failure=failure.as_dict(),
+            )
+            self._count("aborted")
+            return  # on_reverted ends it
         self.ctx.recorder.record(
             "trial.decided",
             **self.describe(),
@@ -254,9 +320,11 @@ class Trial:
         config = ctx.config()
         tuning = config.tuning
         after = ctx.window(self.window_start, now)
-        before = self._before(windows.length)
+        before = self.before_start or self._before(windows.length)
+        # Another start a side costs two restarts (and a revert may follow): the restart budget decides.
+        restarts = ctx.memory.budget().left >= 2
 
-        def judge_with(b: WindowStats, a: WindowStats, spent: bool) -> Verdict:
+        def judge_with(b: WindowStats, a: WindowStats, w: Windows) -> Verdict:
             # The rule's window at the end of the after window (never before its start: one run's
             # polls, past the warm-up), as before_values was the rule's window where it fired.
             after_values = ctx.rule_values(now, self.window_start or now)
@@ -268,12 +336,17 @@ class Trial:
                 tuning=tuning,
                 purpose=rule.purpose,
                 eased=eased(rule, terms_before, terms_after, tuning.tolerance),
-                budget_spent=spent,
+                budget_spent=w.spent,
                 objective=config.objective,
                 door_enabled=config.door.enabled,
+                earlier=(tuple(self.earlier[0]), tuple(self.earlier[1])),
+                starts_left=w.starts_left and restarts,
             )
 
         verdict = judge_windows(windows, before, after, judge_with)
+        if verdict.decision == "extend" and verdict.more == "start" and after is not None:
+            self._another_start(verdict, before, after, now)
+            return
         if verdict.decision == "extend":
             self.windows = windows.extend()
             ctx.recorder.record(
@@ -322,6 +395,65 @@ class Trial:
             self._kept(after)
         else:
             self._reverted(verdict, now)
+
+    def _another_start(self, verdict: Verdict, before: WindowStats, after: WindowStats, now: float) -> None:
+        """The spread between starts hides the answer: one more start of each side, the configuration
+        before first (the change is left un-promoted; its parameters were measured), then the change
+        again, a window each (`Windows.another_start`), and another look over all the starts."""
+        self.earlier[0].append(before)
+        self.earlier[1].append(after)
+        self.windows = self.windows.another_start()
+        self.before_start = None
+        windows = self.windows
+        self.ctx.recorder.record(
+            "trial.extended",
+            **self.describe(),
+            reason=verdict.reason,
+            by="start",
+            starts_a_side=windows.starts,
+            max_starts=windows.max_starts,
+            window_s=round(windows.length, 1),
+            evidence=dict(verdict.figures) or None,
+        )
+        self.experiment.decide(now)
+        self.experiment.keep(f"trial {self.trial_id}: measured; the configuration before next", promote=False)
+        self.leg = "before"
+        what = (
+            f"trial {self.trial_id}: the configuration before, start {windows.starts} of {windows.max_starts}"
+        )
+        self._apply(self.params_before, what, now)
+
+    def _before_measured(self, now: float) -> None:
+        """A start of the configuration before is measured: the change again (a restart), or, without
+        evidence of this start, the end (the configuration before serves: the change is not kept)."""
+        assert self.window_start is not None
+        window = self.ctx.window(self.window_start, now)
+        self.experiment.decide(now)
+        self.experiment.keep(f"trial {self.trial_id}: the configuration before measured", promote=False)
+        if window is None:
+            reason = "no evidence: too few samples in the window of the configuration before"
+            self.ctx.recorder.record("trial.decided", **self.describe(), decision="reverted", reason=reason)
+            self._lost(f"reverted: {reason}")
+            self._count("reverted")
+            self._end()
+            return
+        self.before_start, self.leg = window, "after"
+        p, windows = self.proposal, self.windows
+        of = f"start {windows.starts} of {windows.max_starts}"
+        self._apply(p.params, f"rule {self.rule.name}: {p.param} {p.old} → {p.new}, {of}", now)
+
+    def _apply(self, params: EngineParams, reason: str, now: float) -> None:
+        """Restart with `params` for the comparison's next start, a failure of which reverts to the
+        configuration before the change (whichever side serves now); when the restart cannot be announced
+        (the journal unwritable, vLLM not serving), the trial is aborted where it stands."""
+        if not self.experiment.apply(params, reason, now, revert_to=self.params_before):
+            self.ctx.recorder.record(
+                "trial.aborted",
+                **self.describe(),
+                reason="the restart for another start could not be announced",
+            )
+            self._count("aborted")
+            self._end()
 
     def _before(self, length: float) -> WindowStats:
         """The before window as long as the after window, where the run before the change served that
