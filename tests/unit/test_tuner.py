@@ -735,6 +735,17 @@ def test_a_gain_that_max_starts_cannot_tell_is_reverted_as_no_difference_after_t
     assert sim.rig.intents()[-1]["action"] == "revert" and sim.params().max_num_seqs == 32
 
 
+def test_without_two_restarts_left_in_the_budget_a_trial_decides_on_one_start_a_side(tmp_path: Path) -> None:
+    landscape = {**LANDSCAPE, 16: Perf(2360.0, 1.0, 0.96)}
+    sim = make_tuner(tmp_path, landscape=landscape, tuning={**SEVERAL_STARTS, "restarts_per_hour": 2})
+    sim.run_until(lambda: bool(sim.decided()) and sim.tuner.trial is None)
+    assert "trial.extended" not in sim.rig.events()  # the change's restart left one: no start a side more
+    decided = sim.decided()[0]
+    assert (decided["decision"], decided["evidence"]) == ("reverted", "no difference")
+    assert decided["figures"]["starts_after"] == 1
+    assert [i["params"]["max_num_seqs"] for i in sim.rig.intents("trial")] == [16]
+
+
 def test_a_start_of_the_configuration_before_that_fails_aborts_the_trial_without_blaming_the_change(
     tmp_path: Path,
 ) -> None:

@@ -91,10 +91,11 @@ class Windows:
 
     @property
     def look_due(self) -> bool:
-        """The evidence is looked at when the starts a side reach a power of two (1, 2, 4, 8, …) or
-        `max_starts`: like the window's doubling, few looks keep the chance of a keep on noise near the
-        interval's own (a look at every start kept +2.5 % in 5.0-5.5 % of simulated trials at a 7 %
-        spread between starts, tests/unit/test_verdict_noise.py)."""
+        """The evidence is looked at when the starts a side reach one of `_LOOKS` or `max_starts`: like the
+        window's doubling, few looks keep the chance of a keep on noise near the interval's own. Simulated
+        at a 7 % spread between starts (tests/unit/test_verdict_noise.py's model, 200 trials): a look at
+        every start kept a true +2.5 % in 5.0 %, looks √2 apart in 3.5 %, looks 2× apart in 2.0 % but
+        needed a median of 16 starts a side against 8-11 to find +10 %."""
         return self.starts in _LOOKS or self.starts >= self.max_starts
 
     def another_start(self) -> Windows:
@@ -321,8 +322,8 @@ class Trial:
         tuning = config.tuning
         after = ctx.window(self.window_start, now)
         before = self.before_start or self._before(windows.length)
-        # Another start a side costs two restarts (and a revert may follow): the restart budget decides.
-        restarts = ctx.memory.budget().left >= 2
+        # Another start a side costs two restarts: with fewer left in the budget, this look has no start left.
+        looked = windows if ctx.memory.budget().left >= 2 else replace(windows, max_starts=windows.starts)
 
         def judge_with(b: WindowStats, a: WindowStats, w: Windows) -> Verdict:
             # The rule's window at the end of the after window (never before its start: one run's
@@ -340,10 +341,10 @@ class Trial:
                 objective=config.objective,
                 door_enabled=config.door.enabled,
                 earlier=(tuple(self.earlier[0]), tuple(self.earlier[1])),
-                starts_left=w.starts_left and restarts,
+                starts_left=w.starts_left,
             )
 
-        verdict = judge_windows(windows, before, after, judge_with)
+        verdict = judge_windows(looked, before, after, judge_with)
         if verdict.decision == "extend" and verdict.more == "start" and after is not None:
             self._another_start(verdict, before, after, now)
             return
@@ -353,6 +354,7 @@ class Trial:
                 "trial.extended",
                 **self.describe(),
                 reason=verdict.reason,
+                by="window",
                 by_s=round(self.windows.extended_s - windows.extended_s, 1),
                 window_s=round(self.windows.length, 1),
                 budget_left_s=round(self.windows.max_extend_s - self.windows.extended_s, 1),
