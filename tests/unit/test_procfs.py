@@ -148,7 +148,12 @@ def test_real_child_tree_is_found_by_tree_group_and_marker() -> None:
         grandchild = int(child.stdout.readline())
         expected = sorted([child.pid, grandchild])
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and sorted(process_tree_pids(child.pid)) != expected:
+        # The grandchild's /proc/PID/environ is empty for a moment after exec (the kernel sets the
+        # environment's bounds after it closes the CLOEXEC pipe Popen waits on): wait for all three.
+        while time.monotonic() < deadline and not (
+            sorted(process_tree_pids(child.pid)) == expected
+            and pids_with_env("TUNERD_TEST_MARKER", marker) == expected
+        ):
             time.sleep(0.05)
         assert process_tree_pids(child.pid) == [child.pid, grandchild]
         assert pids_in_group(child.pid) == expected
