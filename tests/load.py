@@ -1,5 +1,8 @@
-"""A steady closed-loop load on vLLM's OpenAI API: N clients, each sending its next request as soon as
-the last one is answered. Used by the engine tier and the bench scripts.
+"""Loads on vLLM's OpenAI API, used by the engine tier and the bench scripts:
+- `ClosedLoopLoad`: N clients, each sending its next request as soon as the last one is answered (or,
+  with `think_s`, after a pause drawn around it: an interactive user reading the answer);
+- `OpenLoopLoad`: requests arriving at a fixed mean rate, Poisson (exponential gaps from a seeded
+  generator), whether or not earlier ones were answered — real traffic does not wait for its last answer.
 
 Prompts are cache-cold: token ids drawn from a seeded generator, different for every request, so vLLM's
 prefix cache cannot flatter a figure (a fixed prompt made throughput look 2.32x higher on a Spark,
@@ -14,7 +17,9 @@ import json
 import random
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
@@ -34,8 +39,8 @@ class LoadStats:
     streamed: list[tuple[float, float, float | None]] = field(default_factory=list)
 
 
-class ClosedLoopLoad:
-    """`clients` threads, each looping: one /v1/completions request, wait for the answer, again.
+class _Load:
+    """What every load shares: the seeded requests, one request sent and counted (`_send`), the stats.
     `stream=True`: streamed requests (SSE); a stream counts as ok when it ends with `data: [DONE]` after
     `max_tokens` tokens, as `stream_cut` when it carried an error event and then ended (what the front
     door and vLLM send when the engine dies mid-answer), as an error otherwise (no [DONE]: a hang or a
@@ -46,7 +51,6 @@ class ClosedLoopLoad:
         base_url: str,
         model: str,
         *,
-        clients: int,
         prompt_tokens: int | tuple[int, int] = 16,
         max_tokens: int | tuple[int, int] = 400,
         vocab: int = 1000,
@@ -56,12 +60,12 @@ class ClosedLoopLoad:
     ) -> None:
         self.url = f"{base_url}/v1/completions"
         self.model = model
-        self.clients = clients
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
         self.vocab = vocab
         self.timeout_s = timeout_s
         self.stream = stream
+        self.seed = seed
         self.stats = LoadStats()
         self._random = random.Random(seed)
         self._lock = threading.Lock()
@@ -75,39 +79,33 @@ class ClosedLoopLoad:
             # Token ids from 10 upwards: the low ids of the tiny model's tokenizer are special tokens.
             return [self._random.randrange(10, self.vocab) for _ in range(size)], generate
 
-    def _client(self) -> None:
-        with httpx.Client(timeout=self.timeout_s, trust_env=False) as client:
-            while not self._stop.is_set():
-                prompt, generate = self._request()
-                body = {
-                    "model": self.model,
-                    "prompt": prompt,
-                    "max_tokens": generate,
-                    "ignore_eos": True,
-                    "temperature": 0.0,
-                }
-                started = time.monotonic()
-                if self.stream:
-                    self._streamed(client, body, started)
-                    continue
-                try:
-                    answer = client.post(self.url, json=body)
-                except httpx.HTTPError as exc:
-                    self._failed(f"{type(exc).__name__}")
-                    self._stop.wait(0.5)  # the engine is down: do not spin
-                    continue
-                if answer.status_code != 200:
-                    self._failed(f"HTTP {answer.status_code}")
-                    self._stop.wait(0.5)
-                    continue
-                tokens = int(answer.json().get("usage", {}).get("completion_tokens", 0))
-                if tokens != generate:  # ignore_eos: a whole answer has exactly max_tokens
-                    self._failed(f"incomplete: {tokens} of {generate} tokens")
-                    continue
-                with self._lock:
-                    self.stats.ok += 1
-                    self.stats.completion_tokens += tokens
-                    self.stats.latencies_s.append(time.monotonic() - started)
+    def _send(self, client: httpx.Client, request: tuple[list[int], int]) -> None:
+        """One request, to its answer, counted in `stats`."""
+        prompt, generate = request
+        body = {"model": self.model, "prompt": prompt, "max_tokens": generate, "ignore_eos": True,
+                "temperature": 0.0}  # fmt: skip
+        started = time.monotonic()
+        if self.stream:
+            self._streamed(client, body, started)
+            return
+        try:
+            answer = client.post(self.url, json=body)
+        except httpx.HTTPError as exc:
+            self._failed(f"{type(exc).__name__}")
+            self._stop.wait(0.5)  # the engine is down: do not spin
+            return
+        if answer.status_code != 200:
+            self._failed(f"HTTP {answer.status_code}")
+            self._stop.wait(0.5)
+            return
+        tokens = int(answer.json().get("usage", {}).get("completion_tokens", 0))
+        if tokens != generate:  # ignore_eos: a whole answer has exactly max_tokens
+            self._failed(f"incomplete: {tokens} of {generate} tokens")
+            return
+        with self._lock:
+            self.stats.ok += 1
+            self.stats.completion_tokens += tokens
+            self.stats.latencies_s.append(time.monotonic() - started)
 
     def _streamed(self, client: httpx.Client, body: dict[str, object], started: float) -> None:
         tokens, error, done = 0, False, False
@@ -155,12 +153,11 @@ class ClosedLoopLoad:
         with self._lock:
             self.stats.errors.append(reason)
 
-    def start(self) -> ClosedLoopLoad:
-        for number in range(self.clients):
-            thread = threading.Thread(target=self._client, name=f"load-{number}", daemon=True)
+    def _threads_start(self, targets: list[tuple[str, Callable[[], None]]]) -> None:
+        for name, target in targets:
+            thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
-        return self
 
     def stop(self, timeout_s: float = 30.0) -> LoadStats:
         """Ask the clients to stop after their request in flight; returns what they saw."""
@@ -169,11 +166,96 @@ class ClosedLoopLoad:
             thread.join(timeout_s)
         return self.stats
 
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class ClosedLoopLoad(_Load):
+    """`clients` threads, each looping: one /v1/completions request, wait for the answer, (with
+    `think_s`: pause for a time drawn from an exponential of that mean, seeded,) again."""
+
+    def __init__(
+        self, base_url: str, model: str, *, clients: int, think_s: float = 0.0, **kwargs: Any
+    ) -> None:
+        super().__init__(base_url, model, **kwargs)
+        self.clients = clients
+        self.think_s = think_s
+        self._think = random.Random(f"think-{kwargs.get('seed', 0)}")
+
+    def _client(self) -> None:
+        with httpx.Client(timeout=self.timeout_s, trust_env=False) as client:
+            while not self._stop.is_set():
+                self._send(client, self._request())
+                if self.think_s > 0:
+                    with self._lock:
+                        pause = self._think.expovariate(1 / self.think_s)
+                    self._stop.wait(pause)  # a user reading the answer (or the stop)
+
+    def start(self) -> ClosedLoopLoad:
+        self._threads_start([(f"load-{n}", self._client) for n in range(self.clients)])
+        return self
+
     def __enter__(self) -> ClosedLoopLoad:
         return self.start()
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+
+def arrival_gaps(rate_per_s: float, seed: int) -> Iterator[float]:
+    """The seconds between an open loop's arrivals: exponential of mean 1 / `rate_per_s` (a Poisson
+    process), from its own seeded generator (the same seed, the same arrivals)."""
+    generator = random.Random(f"arrivals-{seed}")
+    while True:
+        yield generator.expovariate(rate_per_s)
+
+
+class OpenLoopLoad(_Load):
+    """Requests arriving at `rate_per_s` on average (Poisson), each sent on arrival whatever is still in
+    flight, up to `max_outstanding` at once (an arrival beyond it is counted in `dropped`: the load
+    generator's limit, not the server's). The arrivals are paced on the monotonic clock from the start,
+    so a late send does not shift the ones after it."""
+
+    def __init__(
+        self, base_url: str, model: str, *, rate_per_s: float, max_outstanding: int = 256, **kwargs: Any
+    ) -> None:
+        super().__init__(base_url, model, **kwargs)
+        self.rate_per_s = rate_per_s
+        self.max_outstanding = max_outstanding
+        self.sent = 0
+        self.dropped = 0
+        self._slots = threading.BoundedSemaphore(max_outstanding)
+
+    def _arrivals(self) -> None:
+        limits = httpx.Limits(max_connections=self.max_outstanding, max_keepalive_connections=64)
+        with httpx.Client(timeout=self.timeout_s, trust_env=False, limits=limits) as client:
+            due = time.monotonic()
+            for gap in arrival_gaps(self.rate_per_s, self.seed):
+                due += gap
+                if self._stop.wait(max(0.0, due - time.monotonic())):
+                    break
+                if not self._slots.acquire(blocking=False):
+                    with self._lock:
+                        self.dropped += 1
+                    continue
+                request = self._request()
+                with self._lock:
+                    self.sent += 1
+                thread = threading.Thread(target=self._one, args=(client, request), daemon=True)
+                thread.start()
+            # Let the requests in flight end (each bounded by timeout_s) before the client closes.
+            for _ in range(self.max_outstanding):
+                self._slots.acquire(timeout=self.timeout_s)
+
+    def _one(self, client: httpx.Client, request: tuple[list[int], int]) -> None:
+        try:
+            self._send(client, request)
+        finally:
+            self._slots.release()
+
+    def start(self) -> OpenLoopLoad:
+        self._threads_start([("load-arrivals", self._arrivals)])
+        return self
+
+    def __enter__(self) -> OpenLoopLoad:
+        return self.start()
 
 
 def _draw(generator: random.Random, size: int | tuple[int, int]) -> int:
