@@ -379,9 +379,21 @@ class ApiServer:
                 chattered = max(chattered, due)
             if self.state.engine_dead.is_set():
                 self._engine_died()
+            self._maybe_kill_engine()
             after = self.knobs.exit_after_s
             if after is not None and time.monotonic() - ready >= after:
                 self._die()
+
+    def _maybe_kill_engine(self) -> None:
+        """FAKE_VLLM_ENGINE_DIES_AFTER_S: SIGKILL the engine core (engine_killed_run2: it was SIGKILLed)
+        that long after /health first answered 200, so whoever waits for ready sees it before the death
+        however slow the box (a timer from the engine core's own start lost that race on CI)."""
+        dies, first_ok = self.knobs.engine_dies_after_s, self.state.first_ok
+        if dies is None or first_ok is None or self.engine is None or self.engine.poll() is not None:
+            return
+        if time.monotonic() - first_ok >= dies:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.engine.pid, signal.SIGKILL)
 
     def _engine_died(self) -> NoReturn:
         """engine_killed_run2: cleanup and EngineDeadError lines at once, /health 503 for ~0.5 s, then

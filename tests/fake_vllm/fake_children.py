@@ -142,16 +142,12 @@ class EngineCore(Child):
         signal.signal(signal.SIGTERM, handler)
         try:
             self._start()
-            ready = time.monotonic()
             while True:
                 time.sleep(POLL_S)
                 if os.getppid() != self.cfg["api_pid"]:
                     self.linger_and_exit(0.0)
                 if self.worker.poll() is not None:
                     self._worker_died(self.worker.returncode)
-                dies = self.knobs.engine_dies_after_s
-                if dies is not None and time.monotonic() - ready >= dies:
-                    os.kill(os.getpid(), signal.SIGKILL)  # engine_killed_run2: the engine core was SIGKILLed
         except Terminated:
             self._shutdown()
 

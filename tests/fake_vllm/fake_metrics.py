@@ -156,6 +156,7 @@ class ServeState:
         self.preemptions = 0.0
         self.last = time.monotonic()
         self.engine_dead = threading.Event()
+        self.first_ok: float | None = None  # when /health first answered 200 (monotonic)
         self.aborting = False
         self.resets = 0  # POST /reset_prefix_cache answered so far
 
@@ -165,7 +166,10 @@ class ServeState:
     def health(self) -> int:
         """200; 503 once the engine core is dead (engine_killed_run2.json); or the control file's "health"."""
         ctl, _ = self.sample()
-        return 503 if self.engine_dead.is_set() else int(ctl.get("health", 200))
+        status = 503 if self.engine_dead.is_set() else int(ctl.get("health", 200))
+        if status == 200 and self.first_ok is None:
+            self.first_ok = time.monotonic()
+        return status
 
     def sample(self) -> tuple[dict[str, Any], dict[str, float]]:
         """Advance the counters to now; return the control settings and the live metric values."""

@@ -47,8 +47,9 @@ Knobs (environment variables, all optional):
 - ``FAKE_VLLM_IGNORE_SIGTERM=1``: the API server, engine core and worker ignore SIGTERM.
 - ``FAKE_VLLM_GRANDCHILD=1``: the engine core also starts ``fake_vllm-grandchild`` (same process group),
   which ignores SIGTERM and SIGHUP, holds the server socket (the port stays taken) and never exits.
-- ``FAKE_VLLM_ENGINE_DIES_AFTER_S=N``: N s after ready the engine core SIGKILLs itself; the API server then
-  behaves as in ``engine_killed_run2``: its log lines, ``/health`` 503 for 0.5 s, connections refused, exit 0.
+- ``FAKE_VLLM_ENGINE_DIES_AFTER_S=N``: N s after ``/health`` first answered 200 the engine core is
+  SIGKILLed; the API server then behaves as in ``engine_killed_run2``: its log lines, ``/health`` 503 for
+  0.5 s, connections refused, exit 0.
 - ``FAKE_VLLM_EXIT_AFTER_S=N`` with ``FAKE_VLLM_EXIT_CODE=C`` (1) or ``FAKE_VLLM_EXIT_SIGNAL=SIG`` (``KILL``,
   ``SIGSEGV``, ``9``): N s after ready the API server exits silently with that code or dies by that signal.
 - ``FAKE_VLLM_CONTROL=<json file>``: read again when it changes, at every ``/health``, ``/metrics`` and
