@@ -3,7 +3,8 @@
 
     .venv/bin/python bench/report.py [--dir docs/benchmarks] [--page docs/benchmarks.md]
 
-Reads `tuner_vs_sweep.json` (bench/tuner_vs_sweep.py) and the other benches' printed output
+Reads `goodput.json` (bench/goodput_proof.py, its section: bench/goodput_report.py),
+`tuner_vs_sweep.json` (bench/tuner_vs_sweep.py) and the other benches' printed output
 (`NAME.txt`, each beginning with the command that made it) from `--dir`; writes the page — a table per
 benchmark with the machine, versions, date and spread, each target with PASS or MISS and by how much —
 then appends the hand-written reading of the figures (`docs/benchmarks-notes.md`). Plots (PNG, in
@@ -29,6 +30,10 @@ import itertools
 import matplotlib.pyplot as plt
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench import goodput_report  # noqa: E402
+
 OTHERS = ("restart_cost", "detection_latency", "poll_cost", "planner_accuracy")
 NAMES = ("max_num_seqs", "max_num_batched_tokens", "block_size")
 SHORT = {"max_num_seqs": "seqs", "max_num_batched_tokens": "batched", "block_size": "block"}
@@ -307,9 +312,12 @@ def main() -> int:
         "wrote it. The reading of the figures, by hand, is at the end.",
         "",
     ]
+    link = os.path.relpath(args.dir, args.page.parent)
+    goodput = args.dir / "goodput.json"
+    if goodput.exists():
+        lines += goodput_report.section(json.loads(goodput.read_text()), args.dir, link)
     results = args.dir / "tuner_vs_sweep.json"
     if results.exists():
-        link = os.path.relpath(args.dir, args.page.parent)
         lines += tuner_section(json.loads(results.read_text()), args.dir, link)
     lines += other_sections(args.dir)
     notes = REPO / "docs" / "benchmarks-notes.md"

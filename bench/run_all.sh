@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Run every benchmark against real vLLM on this machine, then write docs/benchmarks.md and its plots.
 #
-#   bash bench/run_all.sh            # everything: 156 min on 2 CPU cores (2026-12-02 run)
-#   bash bench/run_all.sh --quick    # fewer points, one seed, short windows: every path, 25 min here
-#                                    # (17 vLLM starts); writes under $TMPDIR/tunerd-bench-quick, not docs/
+#   bash bench/run_all.sh            # everything (planned under 2 hours on 2 CPU cores; since the goodput
+#                                    # proof replaced tuner_vs_sweep here, not yet timed)
+#   bash bench/run_all.sh --quick    # fewer points, short windows: every path; writes under
+#                                    # $TMPDIR/tunerd-bench-quick, not docs/ (not yet timed with goodput_proof)
 #
 # Needs the repository's .venv with vLLM (bash scripts/test.sh or scripts/quickstart.sh makes it);
 # installs the plotting extra (matplotlib) into it when missing. Run nothing else heavy beside it: every
@@ -46,13 +47,13 @@ bench() {
 
 began=$(date +%s)
 if [ $quick = 1 ]; then
-    bench tuner_vs_sweep --quick --grid-params 2 --out "$out/tuner_vs_sweep.json"
+    bench goodput_proof --quick --out "$out/goodput.json"
     bench restart_cost --repeats 1 --no-warm
     bench detection_latency --real --repeats 1
     bench poll_cost --polls 50 --daemon-seconds 20
     bench planner_accuracy --quick
 else
-    bench tuner_vs_sweep --params 3 --grid-params 2 --seeds 3 --out "$out/tuner_vs_sweep.json"
+    bench goodput_proof --out "$out/goodput.json"
     bench restart_cost --repeats 3
     bench detection_latency --real --repeats 3
     bench poll_cost

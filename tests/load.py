@@ -24,6 +24,19 @@ from typing import Any
 import httpx
 
 
+@dataclass(frozen=True)
+class Answer:
+    """One whole streamed answer on the client's own clock (time.monotonic()): when it was sent and
+    ended, its TTFT (send to first token event), TPOT ((last − first token event) / (tokens − 1), None
+    for one token) and its tokens."""
+
+    sent: float
+    done: float
+    ttft_s: float
+    tpot_s: float | None
+    tokens: int
+
+
 @dataclass
 class LoadStats:
     """What the clients saw. `errors` holds one short reason per failed request."""
@@ -37,6 +50,7 @@ class LoadStats:
     # time.monotonic() at the end; TTFT from the send to the first token event; TPOT = (last − first
     # token event) / (tokens − 1), None for a one-token answer.
     streamed: list[tuple[float, float, float | None]] = field(default_factory=list)
+    answers: list[Answer] = field(default_factory=list)  # the same answers, whole
 
 
 class _Load:
@@ -144,6 +158,7 @@ class _Load:
                 self.stats.latencies_s.append(ended - started)
                 tpot = (last - first) / (tokens - 1) if tokens > 1 else None
                 self.stats.streamed.append((ended, first - started, tpot))
+                self.stats.answers.append(Answer(started, ended, first - started, tpot, tokens))
             else:
                 self.stats.errors.append(
                     f"stream ended after {tokens} token events, {'with' if done else 'without'} [DONE]"

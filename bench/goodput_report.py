@@ -1,0 +1,236 @@
+"""docs/benchmarks.md's goodput section and its two plots, from bench/goodput_proof.py's results.
+
+`section(data, out, link)` returns the markdown lines: the workloads and their targets, a table per
+workload with every contender's figures as the clients measured them, each of issue 23's targets with
+PASS or MISS and by how much. Plots (PNG, in `out`): `goodput_by_config.png` — goodput of every grid
+point and every static cap on the same axes, tunerd's configurations marked; `goodput_run.png` — a tunerd
+run over time: attainment, goodput and the door's cap, restarts marked.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+CONTENDERS = (
+    ("defaults", "vLLM's defaults"),
+    ("sweep", "grid sweep, best"),
+    ("static_cap", "static door cap, best"),
+    ("tunerd", "tunerd (goodput)"),
+)
+ONE_THIRD = 1 / 3
+WITHIN = 0.95
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value * 1e3:,.0f}"
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.0%}"
+
+
+def _row(label: str, f: dict[str, Any], extra: str = "") -> str:
+    return (
+        f"| {label} | {f['goodput']:.2f} | {_pct(f['attainment'])} | {f['throughput']:.0f} | "
+        f"{_ms(f['ttft_p50'])} / {_ms(f['ttft_p95'])} | {_ms(f['tpot_p50'])} / {_ms(f['tpot_p95'])} | "
+        f"{f['preemptions_per_s']:.2f} | {extra} |"
+    )
+
+
+def _where(name: str, f: dict[str, Any], run: dict[str, Any] | None) -> str:
+    if name == "sweep":
+        return f"{f['point']}; {f['restarts']} starts"
+    if name == "static_cap":
+        return f"cap {f['cap']}; 0 restarts"
+    if name == "tunerd" and run:
+        feasible = run.get("minutes_to_feasible")
+        first = "never feasible" if feasible is None else f"feasible after {feasible:.1f} min"
+        params = ", ".join(f"{k} {v}" for k, v in sorted(run["params"].items()) if "num" in k) or "defaults"
+        return f"{params}; {run['restarts']} restarts; {first}; {run['minutes']:.1f} min"
+    return ""
+
+
+def _targets(name: str, row: dict[str, Any], run: dict[str, Any] | None) -> list[str]:
+    """Issue 23's targets for one workload, PASS or MISS with the margin."""
+    tunerd = row.get("tunerd")
+    if not tunerd:
+        return [f"- {name}: no tunerd run measured."]
+    lines = []
+    rivals = [(row[c]["goodput"], label) for c, label in CONTENDERS[:3] if row.get(c)]
+    if rivals:
+        best, label = max(rivals)
+        ratio = tunerd["goodput"] / best if best else float("nan")
+        verdict = "PASS" if ratio >= WITHIN else "MISS"
+        lines.append(
+            f"- {name}: tunerd's goodput {tunerd['goodput']:.2f}/s is {ratio:.2f}× the best contender's "
+            f"({label}, {best:.2f}/s), target ≥ {WITHIN}: **{verdict}**."
+        )
+    sweep = row.get("sweep")
+    if sweep:
+        verdict = "PASS" if tunerd["restarts"] <= sweep["restarts"] * ONE_THIRD else "MISS"
+        lines.append(
+            f"- {name}: {tunerd['restarts']} restarts against the sweep's {sweep['restarts']} starts, target "
+            f"≤ a third ({sweep['restarts'] * ONE_THIRD:.1f}): **{verdict}**."
+        )
+    rand = row.get("random")
+    if rand:
+        verdict = "PASS" if tunerd["goodput"] > rand["expected_best"] else "MISS"
+        lines.append(
+            f"- {name}: random search with {rand['n']} restart(s), expected best "
+            f"{rand['expected_best']:.2f}/s (beats tunerd with chance {rand['chance_beats_tunerd']:.0%}): "
+            f"**{verdict}**."
+        )
+    cap = row.get("static_cap")
+    if cap and cap["attainment"] is not None and cap["attainment"] >= WITHIN and run:
+        feasible = run.get("minutes_to_feasible")
+        ok = feasible is not None and feasible < 2 and run["restarts"] == 0
+        when = "never" if feasible is None else f"{feasible:.1f} min"
+        lines.append(
+            f"- {name}: the cap alone meets the targets (cap {cap['cap']}); tunerd feasible after {when} "
+            f"with {run['restarts']} restarts, target < 2 min and 0 restarts: **{'PASS' if ok else 'MISS'}**."
+        )
+    return lines
+
+
+def section(data: dict[str, Any], out: Path, link: str) -> list[str]:
+    """The goodput section's markdown; draws its plots into `out`."""
+    m, s = data["machine"], data["settings"]
+    quick = " (**--quick**: a check of the paths, not a result)" if data.get("quick") else ""
+    lines = [
+        f"## Goodput under latency targets (`bench/goodput_proof.py`){quick}",
+        "",
+        f"{m['date']}, {m['cpu']} ({m['cpus']} CPUs, {m['memory_gib']} GiB), vLLM {m['vllm']}, the small "
+        f"model in float32 with a {data['engine']['kv_cache_bytes'] / 1e6:.0f} MB KV cache. Every figure "
+        f"is the clients' own (the load generator's clock): a request is good when it met both targets; "
+        f"goodput = good answers a second over a {s['window_s']:.0f} s window after "
+        f"{s['warmup_s']:.0f} s of warm-up; feasible = attainment ≥ {s['attainment']:.0%}.",
+        "",
+        "| workload | load | TTFT target | TPOT target |",
+        "|---|---|---|---|",
+    ]
+    for w in data["workloads"]:
+        shape = {
+            "open": f"Poisson, {w['rate_per_s']:g} req/s",
+            "closed": f"{w['clients']} closed-loop clients",
+            "interactive": f"{w['clients']} clients, think ~{w['think_s']:g} s",
+        }[w["kind"]]
+        lines.append(f"| {w['name']} | {shape} | {w['ttft_s']:g} s | {w['tpot_s'] * 1e3:g} ms |")
+    first = data["workloads"][0]
+    lines += [
+        "",
+        f"Prompts {first['prompt_tokens']} tokens, answers {first['output_tokens']}, drawn per request "
+        f"from seed {s['seed']}.",
+        "",
+    ]
+    summary = data.get("summary", {})
+    for name in [w["name"] for w in data["workloads"] if w["name"] in summary]:
+        row = summary[name]
+        run = data.get("tunerd", {}).get(name)
+        lines += [
+            f"### {name}",
+            "",
+            "| contender | goodput (req/s) | attainment | tok/s | TTFT p50 / p95 (ms) | TPOT p50 / p95 (ms) "
+            "| preempt/s | configuration, cost |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for contender, label in CONTENDERS:
+            f = row.get(contender)
+            if f:
+                lines.append(_row(label, f, _where(contender, f, run)))
+        throughput_run = data.get("tunerd", {}).get(f"{name} (throughput)")
+        if throughput_run and throughput_run.get("final"):
+            lines.append(
+                _row("tunerd (throughput)", throughput_run["final"], _where("tunerd", {}, throughput_run))
+            )
+        if row.get("random"):
+            r = row["random"]
+            lines.append(
+                f"| random search, {r['n']} restart(s) | {r['expected_best']:.2f} (expected best) "
+                "| | | | | | computed from the grid |"
+            )
+        lines += ["", *_targets(name, row, run), ""]
+    plot_by_config(data, out / "goodput_by_config.png")
+    lines += [f"![goodput by configuration]({link}/goodput_by_config.png)", ""]
+    if plot_run(data, out / "goodput_run.png"):
+        lines += [f"![a tunerd run over time]({link}/goodput_run.png)", ""]
+    return lines
+
+
+def plot_by_config(data: dict[str, Any], path: Path) -> None:
+    """Per workload: the grid's goodput by max_num_seqs (a line per max_num_batched_tokens), the static
+    caps' goodput by cap on the same axis (concurrency), tunerd's final configuration as a star."""
+    names = [w["name"] for w in data["workloads"]]
+    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 4), sharey=False, squeeze=False)
+    for ax, name in zip(axes[0], names, strict=True):
+        by_batched: dict[int, list[tuple[int, float]]] = {}
+        for point in data.get("grid", {}).values():
+            if name in point:
+                p = point["params"]
+                by_batched.setdefault(p["max_num_batched_tokens"], []).append(
+                    (p["max_num_seqs"], point[name]["goodput"])
+                )
+        for batched, pts in sorted(by_batched.items()):
+            xs, ys = zip(*sorted(pts), strict=True)
+            ax.plot(xs, ys, marker="o", linewidth=1, label=f"grid, batched {batched}")
+        caps = data.get("caps", {}).get(name, {})
+        capped = sorted((int(c), f["goodput"]) for c, f in caps.items() if c != "None")
+        if capped:
+            xs, ys = zip(*capped, strict=True)
+            ax.plot(xs, ys, color="black", linestyle="--", marker="s", label="door cap, one start")
+        if "None" in caps:
+            ax.axhline(caps["None"]["goodput"], color="grey", linewidth=0.8, label="no cap")
+        run = data.get("tunerd", {}).get(name)
+        if run and run.get("final"):
+            seqs = run["params"].get("max_num_seqs", data["vllm_defaults"]["max_num_seqs"])
+            ax.plot([seqs], [run["final"]["goodput"]], marker="*", markersize=14, color="red", linestyle="",
+                    label=f"tunerd ({run['restarts']} restarts)")  # fmt: skip
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("max_num_seqs (grid) / cap (door)")
+        ax.set_title(name)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("goodput (good answers/s, clients' clock)")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def plot_run(data: dict[str, Any], path: Path) -> bool:
+    """The first goodput run with a time series: attainment and goodput (rolling), the door's cap;
+    restarts dashed. False when there is none."""
+    runs = [(n, r) for n, r in data.get("tunerd", {}).items() if r.get("series") and "(" not in n]
+    if not runs:
+        return False
+    # The busiest workload tunerd ran on: the one where the defaults are most likely to miss.
+    order = [w["name"] for w in data["workloads"]]
+    name, run = max(runs, key=lambda nr: order.index(nr[0]) if nr[0] in order else -1)
+    series = run["series"]
+    t = [p[0] / 60 for p in series]
+    fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(11, 7), sharex=True)
+    top.plot(t, [p[1] if p[1] is not None else float("nan") for p in series], color="C0")
+    top.axhline(data["settings"]["attainment"], color="grey", linestyle=":", linewidth=0.8)
+    top.set_ylabel("attainment")
+    middle.plot(t, [p[2] for p in series], color="C2")
+    middle.set_ylabel("goodput (req/s)")
+    began = run["began"]
+    moves = [((datetime.fromisoformat(at).timestamp() - began) / 60, new) for at, new in run["caps"]]
+    if moves:
+        xs = [x for x, _ in moves if x >= 0] + [t[-1] if t else 0]
+        ys = [y if y is not None else float("nan") for x, y in moves if x >= 0]
+        if ys:
+            bottom.step(xs, [*ys, ys[-1]], where="post", color="C3")
+    bottom.set_ylabel("door cap")
+    bottom.set_xlabel(f"minutes since the load began ({data['settings']['rolling_s']:.0f} s rolling windows)")
+    for at in run["restarts_at"]:
+        x = (datetime.fromisoformat(at).timestamp() - began) / 60
+        for ax in (top, middle, bottom):
+            ax.axvline(x, color="grey", linestyle="--", linewidth=0.8)
+    top.set_title(f"tunerd from vLLM's defaults under {name}: dashed = serving again after a restart")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return True
