@@ -52,6 +52,22 @@ def test_status_sends_one_status_field(notify_socket: tuple[socket.socket, str])
     assert received(sock) == [{"STATUS": "engine FATAL: model not found"}, {"STATUS": "engine RUNNING"}]
 
 
+def test_a_reader_that_stopped_reading_drops_messages_and_never_blocks_the_loop(
+    notify_socket: tuple[socket.socket, str],
+) -> None:
+    """The calls run on the daemon's loop: once the reader's queue is full (net.unix.max_dgram_qlen), a
+    blocking sendto would freeze the loop until someone reads (seen on CI). A message that does not fit
+    is dropped (False); once read, the next one gets through. (A blocking socket hangs this test.)"""
+    sock, path = notify_socket
+    notifier = Notifier(environ={"NOTIFY_SOCKET": path})
+    sent = [notifier.status(f"engine STARTING {n}") for n in range(1000)]
+    assert sent[0] and not sent[-1]  # the queue filled and the rest were dropped
+    kept = received(sock)
+    assert kept == [{"STATUS": f"engine STARTING {n}"} for n in range(sent.index(False))]
+    assert notifier.status("engine RUNNING")
+    assert received(sock) == [{"STATUS": "engine RUNNING"}]
+
+
 def test_reloading_sends_reloading_with_monotonic_usec(notify_socket: tuple[socket.socket, str]) -> None:
     sock, path = notify_socket
     notifier = Notifier(environ={"NOTIFY_SOCKET": path})

@@ -2,6 +2,12 @@
 
 READY=1 once the daemon is up, STATUS=<engine state>, WATCHDOG=1 from the main loop, RELOADING=1
 and STOPPING=1. Without $NOTIFY_SOCKET (not under systemd) every call is a cheap no-op.
+
+The socket is non-blocking: the calls run on the daemon's loop, and a datagram socket whose reader has
+stopped reading blocks its sender once the reader's queue is full (net.unix.max_dgram_qlen, 10 by
+default: 2 s of watchdog pings at WATCHDOG_USEC=400000). A message that does not fit is dropped and the
+call says False; the next STATUS or WATCHDOG=1 carries the state again. (Seen on CI: a loop frozen in
+sendto for 30 s under a notify socket nobody drained.)
 """
 
 from __future__ import annotations
@@ -30,12 +36,14 @@ class Notifier:
         return self._address is not None
 
     def send(self, *fields: str) -> bool:
-        """Send `KEY=value` fields in one datagram. False when not under systemd or on error."""
+        """Send `KEY=value` fields in one datagram, never blocking. False when not under systemd, on error,
+        or when the reader's queue is full (the message is dropped)."""
         if self._address is None:
             return False
         try:
             if self._sock is None:
-                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+                kind = socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK
+                self._sock = socket.socket(socket.AF_UNIX, kind)
             self._sock.sendto("\n".join(fields).encode(), self._address)
         except OSError:
             return False
