@@ -441,7 +441,8 @@ class Supervisor:
         objective = self.config.objective
         stats = self.slo.stats(now, objective.targets, objective.count)
         self.metrics.set_slo(stats, objective.targets, objective.attainment)
-        return readings(stats, self.door_link.door.drain_state().queued)
+        door = self.door_link.door.drain_state()
+        return readings(stats, door.queued, door.arrivals)
 
     def _publish_targets(self) -> None:
         """Tell the observation jobs what to look at (immutable values, swapped whole)."""

@@ -128,6 +128,43 @@ def test_holds_its_bounds_and_says_when_the_cap_cannot_meet_the_targets() -> Non
     assert steered(clock, Targets(tpot_s=0.02)).limit == CEILING
 
 
+class ServingLoop(ClosedLoop):
+    """A ClosedLoop whose answers in an interval are what the batch serves in it: c requests every
+    service time (fewer answers at a smaller cap, as on a real server)."""
+
+    def feed(self, limiter: Goodput, now: float, n: int = 0) -> int:
+        c = min(limiter.limit, self.clients)
+        service = self.upstream_ttft + (TOKENS - 1) * self.tpot(c)
+        return super().feed(limiter, now, max(1, round(c / service * limiter.interval_s)))
+
+
+def test_out_of_reach_it_goes_back_to_the_cap_that_served_best_and_holds_it() -> None:
+    # TPOT 40 ms + 1 ms per sequence against a 20 ms target: every request misses upstream at every cap,
+    # and a smaller batch only answers fewer. Down to the floor (to learn it), then back to the cap that
+    # answered the most (the upper bound here), held there, saying why — not left at the floor.
+    clock = FakeClock()
+    limiter = steered(clock, Targets(tpot_s=0.020), low=3, high=16)
+    caps = run(limiter, ServingLoop(32, linear(0.04, 0.001)), clock, 40)
+    assert min(caps) == 3  # it walked down to learn it
+    assert caps[-1] == 16 and set(caps[-10:]) == {16}, caps
+    state = limiter.state()
+    assert state.verdict == "upstream" and state.cannot_meet and not state.steering
+    assert "out of the cap's reach; back to the cap that served best, 16" in state.last_why
+    # Held for HOLD_MEMORIES memories, then the floor is checked again: the load may have changed.
+    caps = run(limiter, ServingLoop(32, linear(0.04, 0.001)), clock, 80)
+    assert min(caps) < 16 and caps[-1] == 16
+
+
+def test_a_held_cap_lets_go_when_the_targets_come_within_reach() -> None:
+    clock = FakeClock()
+    limiter = steered(clock, Targets(tpot_s=0.020), low=3, high=16)
+    run(limiter, ServingLoop(32, linear(0.04, 0.001)), clock, 40)
+    assert limiter.limit == 16 and limiter.state().cannot_meet
+    # Shorter outputs: 12 ms + 0.5 ms a sequence; 16 meets now, and requests wait in the door: held no more.
+    caps = run(limiter, ServingLoop(32, linear(0.012, 0.0005)), clock, 5)
+    assert set(caps) == {16} and limiter.state().verdict == "met" and not limiter.state().cannot_meet
+
+
 def test_new_bounds_bring_the_cap_inside_them() -> None:
     clock = FakeClock()
     limiter = steered(clock, Targets(tpot_s=0.020), low=1, high=256)

@@ -51,6 +51,8 @@ def test_each_generation_request_is_one_sample_with_its_tokens_and_times() -> No
             assert (whole.tokens, whole.tokens_exact) == (5, True)
             # A stream cut midway: not ok (it misses every target).
             assert cut.streamed and not cut.ok
+            # Every request that came in is an arrival (the offered load: door.arrival_rate).
+            assert r.door.drain_state().arrivals == 6
 
     run(scenario)
 
@@ -63,6 +65,7 @@ def test_a_refused_request_is_a_failed_sample_with_its_wait_in_the_door() -> Non
             (refused,) = await until(lambda: samples(r.events), "the refusal's sample")
             assert not refused.ok and refused.ttft_s is None and refused.tokens is None
             assert refused.wait_s >= 0.2 and refused.e2e_s >= refused.wait_s
+            assert r.door.drain_state().arrivals == 1  # a refused request arrived all the same
 
     run(scenario)
 

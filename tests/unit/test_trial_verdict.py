@@ -57,10 +57,12 @@ def points(
     noise: float = 0.0,
     seed: int = 1,
     reset_at: int | None = None,
+    arrivals_per_s: float | None = None,
 ) -> list[Point]:
     """One engine run's polls: cumulative counters growing at the given rates (per-interval generation
     noise of ±`noise`, seeded), gauges constant, latencies in one bucket each. `reset_at`: the generation
-    counter restarts from 0 at that poll."""
+    counter restarts from 0 at that poll. `arrivals_per_s`: the door's arrivals counter grows at that rate
+    (None: no door)."""
     rng = random.Random(seed)
     out, generated, offset = [], 0.0, 0.0
     for i in range(polls):
@@ -81,7 +83,8 @@ def points(
             inter_token_latency=histogram(generated, itl_le),
             e2e_latency=histogram(requests, 5.0),
         )
-        out.append(Point(t, sample))
+        door = {} if arrivals_per_s is None else {"door.arrivals_total": arrivals_per_s * i * dt}
+        out.append(Point(t, sample, door))
     return out
 
 
@@ -263,6 +266,19 @@ def test_saturated_a_change_in_requests_outstanding_is_a_load_change() -> None:
     differs = load_differs(saturated(), saturated(waiting=12.0), 0.25)
     assert differs is not None
     assert differs.startswith("requests outstanding")
+
+
+def test_an_open_loops_backlog_at_the_same_arrival_rate_is_not_a_load_change() -> None:
+    # Poisson arrivals at 2/s through the door: after a restart's hold the backlog (outstanding requests)
+    # is five times larger, the offered load the same (the H200's open loop: "outstanding 53.6 → 247").
+    before = saturated(arrivals_per_s=2.0)
+    assert before.values["door.arrival_rate"] == pytest.approx(2.0)
+    assert load_differs(before, saturated(waiting=40.0, arrivals_per_s=2.1), 0.25) is None
+    # Another arrival rate is another load, and so is a backlog the door cannot speak for.
+    differs = load_differs(before, saturated(waiting=40.0, arrivals_per_s=4.0), 0.25)
+    assert differs is not None and differs.startswith("requests outstanding")
+    assert "arrivals per second 2 → 4 (+100%)" in differs
+    assert load_differs(saturated(), saturated(waiting=40.0), 0.25) is not None
 
 
 def test_saturated_a_change_in_request_rate_alone_is_not_a_load_change() -> None:

@@ -39,6 +39,7 @@ _MEM = "host.mem_available_bytes, host.mem_total_bytes (/proc/meminfo)"
 _AVAIL = "/proc/meminfo MemAvailable"
 _PROBE = "the benchmark probe (fixed cache-cold workload, observe/probe.py)"
 _DOOR = "the front door's queue (Door.drain_state().queued)"
+_DOOR_ARRIVALS = "the front door's arrivals (Door.drain_state().arrivals)"
 _SLO = "the front door's per-request samples over observe.window_s (core/slo.py)"
 _PCIE = "gpu.pcie_tx_bytes_per_s + gpu.pcie_rx_bytes_per_s (NVML; None on unified memory: no PCIe link)"
 _LAT = (
@@ -97,6 +98,9 @@ SIGNAL_TABLE: tuple[tuple[str, str, str, object, str, str], ...] = (
      "never in requests.waiting (vLLM's own queue)"),
     ("door.waiting_avg", "requests", "avg", "door.waiting", _DOOR, "mean over the window"),
     ("door.waiting_max", "requests", "max", "door.waiting", _DOOR, "max over the window"),
+    ("door.arrival_rate", "1/s", "rate", "door.arrivals_total", _DOOR_ARRIVALS,
+     "requests arriving at the door per second, refused ones included: an open loop's offered load "
+     "(a closed loop's follows its answers)"),
     *(
         (name, "ratio 0..1", "last", name, _SLO, text)
         for name, text in (

@@ -288,13 +288,16 @@ class SloWindow:
                 self._good_tokens += sample.tokens or 0
 
 
-def readings(stats: SloStats | None, door_waiting: int | None) -> dict[str, float | None]:
+def readings(
+    stats: SloStats | None, door_waiting: int | None, door_arrivals: int | None = None
+) -> dict[str, float | None]:
     """The poll's inputs of the `slo.*` and `door.*` signals (core/signal_catalog.py): None is unknown.
     Attainment and goodput are None without a request in the window (an idle server is not failing)."""
     s = stats
     measured = s is not None and s.requests > 0
     return {
         "door.waiting": None if door_waiting is None else float(door_waiting),
+        "door.arrivals_total": None if door_arrivals is None else float(door_arrivals),
         "slo.requests": None if s is None else float(s.requests),
         "slo.attainment": s.attainment if measured and s is not None else None,
         "slo.attainment.ttft": s.attainment_ttft if measured and s is not None else None,

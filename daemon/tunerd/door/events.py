@@ -17,7 +17,8 @@ DrainEnd = Literal["idle", "timeout", "superseded"]
 class DrainState:
     """The door at one instant (`Door.drain_state()`): its upstream state, requests forwarded to vLLM and
     not yet answered in full (`in_flight`), requests waiting in the door (`queued`), and since when
-    (`time.monotonic()`, the main loop's clock too) a drain runs (None unless draining)."""
+    (`time.monotonic()`, the main loop's clock too) a drain runs (None unless draining); `arrivals`:
+    requests that have arrived since the door opened (a counter: the offered load's rate)."""
 
     state: UpstreamState
     in_flight: int
@@ -25,6 +26,7 @@ class DrainState:
     max_in_flight: int | None
     draining_since: float | None = None
     reason: str = ""
+    arrivals: int = 0
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,7 @@ class Gate:
     _cut: list[_Waiter] = field(default_factory=list)  # cut ones waiting for a new epoch or a probe
     _queued: int = 0  # live waiters in both (cancelled ones leave the heap lazily)
     _seq: itertools.count[int] = field(default_factory=itertools.count)
+    _arrivals: int = 0
     _drain: _Drain | None = None
     _closed: str | None = None
 
@@ -92,7 +93,10 @@ class Gate:
     # -- requests ----------------------------------------------------------------------------------
 
     def next_seq(self) -> int:
-        return next(self._seq)
+        """An arrival's sequence number (its place in the queue); arrivals are counted by it."""
+        seq = next(self._seq)
+        self._arrivals = seq + 1
+        return seq
 
     def acquire(self, seq: int, cut_epoch: int | None = None) -> Ticket | asyncio.Future[Ticket]:
         """A ticket now, or a future for one (await it with `wait`). Raises Refused when the request
@@ -292,6 +296,7 @@ class Gate:
             self.max_in_flight,
             self._drain.since if self._drain is not None else None,
             self.reason,
+            self._arrivals,
         )
         self.metrics.in_flight.set(self.in_flight)
         self.metrics.queued.set(self._queued)

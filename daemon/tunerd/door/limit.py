@@ -44,6 +44,13 @@ vLLM's TTFT p95 from 2.08 s to 0.018 s while the clients' TTFT p95 rose from 1.1
   the lower bound (or just above a cap that missed by the door's wait), or missing by the door's wait at
   the upper bound (or just below a cap that missed upstream). Then only a restart knob (a smaller batch,
   more KV cache) or more capacity can help: the tuner tries restart knobs only then (tune/proposer.py).
+- **Out of reach, it holds what served best.** When the targets are missed upstream even where no down
+  step is left, a smaller batch bought nothing on the way down: the controller goes back to the cap that
+  served the most good requests a second (on a tie, the most answers a second) among those it judged in
+  the last `SCORES_KEPT` memories, and holds it for `HOLD_MEMORIES` memories unless the targets are met
+  or the door's wait is what misses. Without this it stayed at the floor, where every request missed
+  anyway and a tenth of the answers came (the goodput proof's CPU run: the cap at 3 of 16, 0 % in every
+  window, throughput and the clients' TTFT collapsed).
 
 Failed requests (5xx, cuts) are not the cap's doing and are left out of its judgment.
 """
@@ -62,6 +69,11 @@ CEILING = 1024
 # A request that waited less than this in the door was not held back by the cap (the door's own
 # overhead is tens of microseconds: bench/front_door.py).
 WAITED_S = 0.001
+# How long what each cap served is kept, and how long a cap is held once the targets are out of reach, in
+# `memory_s`s: a walk down to the floor can take minutes when answers are slow (an interval waits for
+# `min_samples`), and a hold re-checks the floor no more than every few minutes.
+SCORES_KEPT = 10
+HOLD_MEMORIES = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,6 +253,9 @@ class Goodput:
     _too_low: tuple[int, float] | None = field(default=None, init=False)
     _good: tuple[int, float] | None = field(default=None, init=False)
     _ups: int = field(default=0, init=False)  # up steps in a row: the next one is 2**_ups
+    # cap → (good requests/s, answers/s, judged at): what each cap served, to go back to the best
+    _scores: dict[int, tuple[float, float, float]] = field(default_factory=dict, init=False)
+    _hold: tuple[int, float] | None = field(default=None, init=False)  # (cap, since): out of reach
     _state: LimitState = field(init=False)
 
     def __post_init__(self) -> None:
@@ -282,8 +297,7 @@ class Goodput:
         and what was learnt of the latency curve belongs to the old run."""
         self._served_at = now
         self._fresh = [s for s in self._fresh if s.done - s.e2e_s >= now]
-        self._too_high = self._too_low = self._good = None
-        self._publish_memory()
+        self._forget_curve()
         self._interval_start = now
 
     def set_bounds(self, low: int, high: int | None, now: float) -> LimitChange | None:
@@ -294,9 +308,8 @@ class Goodput:
         if (low, high) == (self.low, self.high):
             return None  # a reload that changed nothing here: what was learnt stays
         self.low, self.high = low, high
-        self._too_high = self._too_low = self._good = None
         self._state = replace(self._state, low=low, high=high)
-        self._publish_memory()
+        self._forget_curve()
         return self._move(self._clamp(self._limit), now, f"bounds {low}..{high if high is not None else '-'}")
 
     def set_targets(self, targets: Targets, attainment: float) -> None:
@@ -305,8 +318,7 @@ class Goodput:
         if (targets, attainment) == (self.targets, self.attainment):
             return
         self.targets, self.attainment = targets, attainment
-        self._too_high = self._too_low = self._good = None
-        self._publish_memory()
+        self._forget_curve()
 
     # -- the step -----------------------------------------------------------------------------------
 
@@ -326,12 +338,15 @@ class Goodput:
             if j.n == 0 and queued == 0:
                 self._publish(j, "idle", False)  # nothing to judge: an idle server is not failing
             return None
+        elapsed = max(now - self._interval_start, 1e-9)
         self._interval_start = now
         self._stale = 0
         attained = j.attainment[0]
         assert attained is not None
         cap = self._limit
+        self._scores[cap] = (j.good / elapsed, j.n / elapsed, now)
         if attained >= self.attainment:
+            self._hold = None
             self._good = (cap, now) if self._good is None or self._good[0] <= cap else self._good
             if self._too_low is not None and self._too_low[0] >= cap:
                 self._too_low = None  # met where it missed: the curve moved
@@ -350,13 +365,26 @@ class Goodput:
             )
             if self._good is not None and self._good[0] >= cap:
                 self._good = None
-            new = self._down(cap)
-            why = (
+            missed = (
                 f"missed ({attained:.1%} < {self.attainment:.0%}), {j.misses_upstream} of "
-                f"{j.misses_upstream + j.misses_door} misses upstream: a smaller batch"
+                f"{j.misses_upstream + j.misses_door} misses upstream"
             )
+            if self._hold is not None and self._hold[0] == cap:
+                self._publish(j, "upstream", True)
+                return None  # out of reach: held where it served best
+            new = self._down(cap)
+            if new == cap and (best := self._best_served(cap)) is not None:
+                self._hold = (best, now)
+                good, answers, _ = self._scores[best]
+                why = (
+                    f"{missed} with no smaller batch left to try: the targets are out of the cap's reach; "
+                    f"back to the cap that served best, {best} ({good:.2f} good/s, {answers:.2f} answers/s)"
+                )
+                self._publish(j, "upstream", True)
+                return self._move(best, now, why)
             self._publish(j, "upstream", new == cap)
-            return self._move(new, now, why)
+            return self._move(new, now, f"{missed}: a smaller batch")
+        self._hold = None
         self._too_low = (cap, now) if self._too_low is None or cap >= self._too_low[0] else self._too_low
         new = self._up(cap)
         why = (
@@ -375,6 +403,14 @@ class Goodput:
             new = cap + 2**self._ups
         return max(cap, min(top, new))
 
+    def _best_served(self, cap: int) -> int | None:
+        """The judged cap that served strictly more than `cap` (good/s, then answers/s), or None."""
+        mine = self._scores.get(cap)
+        if mine is None:
+            return None
+        best = max(self._scores, key=lambda c: self._scores[c][:2])
+        return best if self._scores[best][:2] > mine[:2] else None
+
     def _down(self, cap: int) -> int:
         bottom = self.low
         if self._too_low is not None:
@@ -384,11 +420,21 @@ class Goodput:
         new = min(cap - 1, math.floor(cap * self.decrease))
         return min(cap, max(bottom, new))
 
+    def _forget_curve(self) -> None:
+        """Forget what was learnt of the latency curve (a restart, new bounds or targets): the caps seen
+        missing and meeting, what each cap served, and a hold."""
+        self._too_high = self._too_low = self._good = None
+        self._scores, self._hold = {}, None
+        self._publish_memory()
+
     def _forget(self, now: float) -> None:
         for name in ("_too_high", "_too_low", "_good"):
             seen = getattr(self, name)
             if seen is not None and now - seen[1] > self.memory_s:
                 setattr(self, name, None)
+        self._scores = {c: v for c, v in self._scores.items() if now - v[2] <= SCORES_KEPT * self.memory_s}
+        if self._hold is not None and now - self._hold[1] > HOLD_MEMORIES * self.memory_s:
+            self._hold = None
         self._publish_memory()
 
     def _publish_memory(self) -> None:

@@ -305,9 +305,12 @@ def load_differs(before: WindowStats, after: WindowStats, tolerance: float) -> s
 
     Per-request sizes (prompt and generated tokens) always; then, saturated, the requests outstanding
     (running + waiting: a closed loop offers a concurrency, and its request rate is the effect being
-    measured); unsaturated, the request rate.
+    measured) unless the door's arrival rate held (an open loop offers a rate: its outstanding requests
+    are a backlog that grows while it is overloaded and swells across a restart's hold, whatever the
+    configuration — seen on the H200's open loop: "outstanding 53.6 → 247" with the same Poisson rate);
+    unsaturated, the request rate.
     """
-    checks: list[tuple[str, float | None, float | None]] = [
+    sizes: list[tuple[str, float | None, float | None]] = [
         ("prompt tokens per request", before.prompt_tokens_per_request, after.prompt_tokens_per_request),
         (
             "generated tokens per request",
@@ -315,14 +318,25 @@ def load_differs(before: WindowStats, after: WindowStats, tolerance: float) -> s
             after.generation_tokens_per_request,
         ),
     ]
-    if before.saturated or after.saturated:
-        checks.append(("requests outstanding", _outstanding(before), _outstanding(after)))
-    else:
-        checks.append(("requests per second", before.completed_rate, after.completed_rate))
-    for what, b, a in checks:
-        change = relative_change(b, a)
-        if change is not None and abs(change) > tolerance:
-            return f"{what} {b:.3g} → {a:.3g} ({change:+.0%})"  # type: ignore[str-format]
+    for what, b, a in sizes:
+        if (why := _differs(what, b, a, tolerance)) is not None:
+            return why
+    if not (before.saturated or after.saturated):
+        return _differs("requests per second", before.completed_rate, after.completed_rate, tolerance)
+    outstanding = _differs("requests outstanding", _outstanding(before), _outstanding(after), tolerance)
+    if outstanding is None:
+        return None
+    b, a = before.values.get("door.arrival_rate"), after.values.get("door.arrival_rate")
+    arrivals = _differs("arrivals per second", b, a, tolerance)
+    if arrivals is None and b is not None and a is not None:
+        return None  # the same arrival rate: an open loop's backlog, not another load
+    return outstanding if arrivals is None else f"{outstanding}, {arrivals}"
+
+
+def _differs(what: str, before: float | None, after: float | None, tolerance: float) -> str | None:
+    change = relative_change(before, after)
+    if change is not None and abs(change) > tolerance:
+        return f"{what} {before:.3g} → {after:.3g} ({change:+.0%})"
     return None
 
 
