@@ -94,4 +94,22 @@ def test_the_largest_cap_below_the_best_that_lost_is_what_max_num_seqs_must_not_
     lost = curve_lost_below_best(points, Throughput())
     assert lost is not None and lost.value == 4  # 16 lost too, but above the best: not a lower limit
     assert lost.why.startswith("the concurrency curve: the door's cap at 4 served 60 tok/s")
-    assert curve_lost_below_best([point(4, 99.0), point(8, 100.0)], Throughput()) is None
+    assert curve_lost_below_best([point(8, 100.0), point(16, 99.0)], Throughput()) is None  # 8 ranks first
+
+
+def test_a_cap_below_the_best_within_its_noise_is_not_worth_a_restart() -> None:
+    # The H200's open loop (docs/gpu.md): the cap at 8 served less than no cap, inside both points'
+    # noise; the restart to max_num_seqs 8 that followed cost 81.6 s and decided nothing.
+    from tunerd.tune.curve import CurvePoint, curve_lost_below_best, lost_caps
+
+    def point(cap: int, value: float) -> CurvePoint:
+        return CurvePoint(cap, 10.0, value, 0.15, value, None, None, None, None, None)
+
+    points = [point(8, 8.11), point(1024, 10.56)]
+    assert lost_caps(points, Throughput()) == {}  # not lost beyond the noise
+    lost = curve_lost_below_best(points, Throughput())
+    assert lost is not None and lost.value == 8
+    assert "within their noise: a restart to it buys no more than the cap" in lost.why
+    # A tie buys nothing either: the larger cap ranks first.
+    tie = curve_lost_below_best([point(8, 10.0), point(16, 10.0)], Throughput())
+    assert tie is not None and tie.value == 8

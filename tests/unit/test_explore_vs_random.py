@@ -85,15 +85,20 @@ class Engine:
         return self.truth(config) * self.start_effect * math.exp(self.rng.gauss(0, PROBE_NOISE))
 
 
-def explore(truth: Landscape, current: Config, rng: random.Random) -> tuple[Config, int, float]:
-    """The real search to its end: (its choice, the restarts it spent, the mean of the baseline's
-    probes)."""
+def explore(
+    truth: Landscape,
+    current: Config,
+    rng: random.Random,
+    ladders: dict[str, tuple[float, ...]] | None = None,
+) -> tuple[Config, int, float]:
+    """The real search over `ladders` (default: max_num_seqs and max_num_batched_tokens) to its end:
+    (its choice, the restarts it spent, the mean of the baseline's probes)."""
+    ladders = ladders or {"max_num_seqs": SEQS, "max_num_batched_tokens": TOKENS}
     engine = Engine(truth, rng)
     engine.restart()
     baseline = [engine.probe(current) for _ in range(PROBES)]
-    params = ["max_num_seqs", "max_num_batched_tokens"]
     search: Search = start(
-        params, current, {"max_num_seqs": SEQS, "max_num_batched_tokens": TOKENS},
+        list(ladders), current, ladders,
         goal=Throughput(tolerance=FLOOR), objective=statistics.fmean(baseline), samples=baseline,
         probes=PROBES, start_noise=START_NOISE,
     )  # fmt: skip

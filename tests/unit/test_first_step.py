@@ -106,9 +106,9 @@ def test_an_eager_cuda_start_and_the_cpu_backend_take_any_integer() -> None:
     ("shape", "reason"),
     [
         (cpu_kv_test(kv_tokens=None), "the KV cache's size is not known"),
-        (cpu_kv_test(prompt_tokens=None), "no tokens per request"),
-        (cpu_kv_test(output_tokens=None), "no tokens per request"),
-        (cpu_kv_test(output_tokens=0.0), "no tokens per request"),
+        (cpu_kv_test(prompt_tokens=None), "no request has finished yet"),
+        (cpu_kv_test(output_tokens=None), "no request has finished yet"),
+        (cpu_kv_test(output_tokens=0.0), "no request has finished yet"),
         (cpu_kv_test(kv_tokens=256), "holds less than one request"),
     ],
 )

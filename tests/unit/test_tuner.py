@@ -98,11 +98,13 @@ class SimEngine:
     e2e: list[float] = field(default_factory=lambda: [0.0] * len(LES))
     load_factor: float = 1.0  # 0: the clients went away
     cap: int | None = None  # the front door's cap in force (FakeDoor): vLLM runs no more at once
+    finish_s: float | None = None  # requests finish only in a run's first finish_s seconds (None: always)
+    run_start: float = 0.0
 
     def sample(self, run_id: int, params: EngineParams, now: float) -> EngineSample:
         if run_id != self.run_id:  # a new vLLM: its counters start from zero
-            fresh = SimEngine(self.landscape, self.clients, run_id, now)
-            fresh.load_factor = self.load_factor
+            fresh = SimEngine(self.landscape, self.clients, run_id, now, run_start=now)
+            fresh.load_factor, fresh.finish_s = self.load_factor, self.finish_s
             self.__dict__.update(fresh.__dict__)
         dt = now - self.t
         self.t = now
@@ -112,7 +114,8 @@ class SimEngine:
         self.gen += tokens
         self.prompt += tokens / TOKENS_PER_REQUEST * 16
         self.preempt += perf.preemptions_per_s * dt * self.load_factor
-        finished = tokens / TOKENS_PER_REQUEST
+        finishing = self.finish_s is None or now - self.run_start < self.finish_s
+        finished = tokens / TOKENS_PER_REQUEST if finishing else 0.0
         self.done += finished
         itl_bucket = next(i for i, le in enumerate(LES) if perf.itl_s <= le)
         for i in range(itl_bucket, len(LES)):
@@ -390,6 +393,18 @@ def test_the_first_step_under_kv_pressure_comes_from_the_kv_models_arithmetic(tm
         "down to a CUDA-graph capture size in vLLM's log → 16"
     )
     assert sim.decided()[0]["decision"] == "kept"
+
+
+def test_with_none_finished_in_the_before_window_the_runs_history_sizes_the_step(tmp_path: Path) -> None:
+    # Requests finished in the run's first 5 s only; the before window (10 s, ending at the firing ~25 s
+    # in) saw none: the run so far gives the tokens per request, and the journal says so.
+    sim = make_tuner(tmp_path, start_lines=KV_MODEL_START, tuning={"window_s": 10.0})
+    sim.engine.finish_s = 5.0
+    sim.run_until(lambda: bool(sim.rig.records("trial.started")))
+    started = sim.rig.last("trial.started")
+    assert started["proposed_by"] == "kv model", started
+    assert "none finished in the before window" in started["arithmetic"], started
+    assert started["before"]["generation_tokens_per_request"] is None, started["before"]
 
 
 def test_a_model_value_that_lost_falls_back_to_the_rules_step(tmp_path: Path) -> None:
@@ -851,6 +866,41 @@ def test_with_the_door_on_a_lower_max_num_seqs_is_measured_through_the_cap_befor
     deferred = sim.rig.last("rule.deferred")
     assert "the door's cap at 16 already lost under this load (the concurrency curve:" in deferred["reason"]
     assert not sim.rig.records("trial.started") and len(sim.rig.os.spawns) == spawns  # no restart
+
+
+def test_a_rule_firing_in_the_same_poll_waits_for_the_curve_another_one_began(tmp_path: Path) -> None:
+    # The KV rule fires and its step waits on the door's curve; a second rule holding on the same poll
+    # must not start a trial (its restart would abort the curve): one experiment at a time.
+    door = FakeDoor()
+    batched = {
+        "name": "batched-tokens",
+        "all": ["preemptions.rate > 0"],
+        "for_s": 20,
+        "cooldown_s": 60,
+        "action": {"kind": "step", "param": "max_num_batched_tokens", "direction": "down", "factor": 0.5},
+    }
+    sim = make_tuner(tmp_path, start_lines=KV_MODEL_START, rules=[KV_RULE, batched], door=door)
+    door.sim = sim
+    sim.run_until(lambda: bool(sim.rig.records("door.curve.started")))
+    sim.run_until(
+        lambda: bool(sim.rig.records("door.curve.finished") or sim.rig.records("door.curve.aborted"))
+    )
+    assert not sim.rig.records("door.curve.aborted"), sim.rig.last("door.curve.aborted")
+    started = sim.rig.records("trial.started")
+    curve_done = sim.rig.last("door.curve.finished")
+    assert all(t["seq"] > curve_done["seq"] for t in started), started
+
+
+def test_a_cap_that_serves_no_more_is_not_worth_a_restart(tmp_path: Path) -> None:
+    # The cap at 16 serves what the cap at 32 serves: a restart to max_num_seqs 16 would buy nothing the
+    # cap does not (the H200's open loop paid 81.6 s for such a restart): deferred, no restart.
+    sim, _ = curve_tuner(tmp_path, LANDSCAPE[32])
+    spawns = len(sim.rig.os.spawns)
+    sim.run_until(lambda: bool(sim.rig.records("door.curve.finished")))
+    sim.run_for(5)
+    deferred = sim.rig.last("rule.deferred")
+    assert "a restart to it buys no more than the cap" in deferred["reason"], deferred
+    assert not sim.rig.records("trial.started") and len(sim.rig.os.spawns) == spawns
 
 
 def test_a_cap_that_serves_more_lets_the_restart_go_ahead_with_its_expected_gain(tmp_path: Path) -> None:

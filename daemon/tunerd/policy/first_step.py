@@ -3,7 +3,9 @@
 Halving a limit under KV pressure is blind (1024 → 512 → …, a restart each), while how many requests fit
 without preemption is arithmetic: the KV cache in tokens (vLLM's "KV cache size: N tokens" line, else the
 planner's prediction) over what one request holds at its end. So the first step goes there, and the rule's
-direction (its factor) stays the fallback when the arithmetic has no input or lands nowhere useful.
+direction (its factor) stays the fallback when the arithmetic has no input or lands nowhere useful. With no
+request finished in the before window (a slow box's long requests), the run so far gives the request's
+size (the journal's arithmetic says so).
 
 - **What a request holds.** Its prompt plus its whole output, in blocks: vLLM allocates the KV cache in
   blocks of `block_size` tokens, so a request of t tokens holds ceil(t / block_size) blocks, and the pool
@@ -61,6 +63,7 @@ class KvShape:
     output_tokens: float | None
     backend: Backend
     capture_sizes: tuple[int, ...] | None = None
+    sizes_from: str | None = None  # where the tokens per request come from, when not the before window
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +98,7 @@ def kv_first_step(
             "the KV cache's size is not known (no 'KV cache size' line, no planner prediction)"
         )
     if not shape.prompt_tokens or not shape.output_tokens or shape.output_tokens <= 0:
-        return NoFirstStep("the window has no tokens per request (no request finished in it)")
+        return NoFirstStep("no request has finished yet to size one by")
     block = shape.block_size
     blocks = shape.kv_tokens // block
     usable = blocks - 1  # the BlockPool's null block (planner/kv_math.py)
@@ -106,8 +109,9 @@ def kv_first_step(
     arithmetic = (
         f"KV cache {shape.kv_tokens:,} tokens ({shape.kv_source}) = {blocks:,} blocks of {block}, "
         f"{usable:,} usable (one is vLLM's null block) ÷ {per_request} blocks per request "
-        f"({shape.prompt_tokens:.0f} prompt + {shape.output_tokens:.0f} output = {tokens:,} tokens) "
-        f"= {ratio:.2f} → {fits}"
+        f"({shape.prompt_tokens:.0f} prompt + {shape.output_tokens:.0f} output = {tokens:,} tokens"
+        + (f", {shape.sizes_from}" if shape.sizes_from else "")
+        + f") = {ratio:.2f} → {fits}"
     )
     if fits < 1:
         return NoFirstStep("the KV cache holds less than one request of this size", arithmetic)

@@ -6,7 +6,8 @@ above the new cap finish (`settle_s`), measures the point for `point_s` seconds 
 gives the cap back as it was (pinned at its value, or steered). On the H200 the cap at 32 served within
 3 % of a restart to max_num_seqs 32, and at 64 it beat the restart (issue 22): the curve says in seconds
 per point what a walk of max_num_seqs would pay a restart per point to learn, and the tuner reads it
-before it pays one (a concurrency the cap lost is lost for max_num_seqs under the same load).
+before it pays one (a concurrency the cap served less at is not worth a restart of max_num_seqs under
+the same load: `curve_lost_below_best`).
 
 Each point is scored by the objective in force (policy/verdict.objective_in_force: goodput with its
 targets and the door's requests, else generation throughput), with its measured noise (core/stats): two
@@ -128,16 +129,34 @@ def lost_caps(points: Sequence[CurvePoint], goal: Objective) -> dict[int, str]:
 
 
 def curve_lost_below_best(points: Sequence[CurvePoint], goal: Objective) -> LostCap | None:
-    """For the proposer (tune/proposer.py): the largest cap below the curve's best that lost to it — a
-    max_num_seqs at or below it runs no more at once under this load than that cap did; None when no
-    cap below the best lost."""
-    best = best_point(points, goal)
-    lost = lost_caps(points, goal)
-    below = [cap for cap in lost if best is not None and cap < best.cap]
+    """For the proposer (tune/proposer.py): the largest cap below the curve's best that served less than
+    it — a max_num_seqs at or below it runs no more at once under this load than that cap did, so a
+    restart to it is expected to serve what the cap served. Lowering max_num_seqs buys next to no memory
+    (vLLM sizes the KV cache from gpu_memory_utilization after a profile run of max_num_batched_tokens) and
+    no batch shape the cap lacks (CUDA graphs are captured up to max_num_seqs, so fewer, never more), so
+    the restart is paid only where the curve ranks the lower value strictly first
+    (issue 22: on the H200 the cap at 8 served 8.11 good/s against 10.56 with no cap, inside its noise,
+    and the restart to 8 that followed cost 81.6 s and decided nothing). None when no cap below the best
+    served less."""
+    measured = [p for p in points if p.objective is not None]
+    if not measured:
+        return None
+    # On a tie the larger cap ranks first: a restart must buy something, and it does not buy a tie.
+    best = max(measured, key=lambda p: (goal.rank(p.objective), p.cap))  # type: ignore[arg-type]
+    below = [p for p in measured if p.cap < best.cap]
     if not below:
         return None
-    cap = max(below)
-    return LostCap(cap, f"the concurrency curve: {lost[cap]}")
+    cap = max(p.cap for p in below)
+    lost = lost_caps(points, goal)
+    if cap in lost:
+        return LostCap(cap, f"the concurrency curve: {lost[cap]}")
+    at = next(p for p in below if p.cap == cap)
+    return LostCap(
+        cap,
+        f"the concurrency curve: the door's cap at {cap} served {goal.describe(at.objective)} against "  # type: ignore[arg-type]
+        f"{goal.describe(best.objective)} at {best.cap}, within their noise: a restart to it buys no more "
+        "than the cap, which runs as many at once without one",
+    )
 
 
 def expected_from_curve(points: Sequence[CurvePoint], goal: Objective, value: int) -> str | None:

@@ -63,12 +63,17 @@ class Proposer:
         return self._config()
 
     def propose(
-        self, rule: Rule, running: float | None = None, window: WindowStats | None = None
+        self,
+        rule: Rule,
+        running: float | None = None,
+        window: WindowStats | None = None,
+        history: WindowStats | None = None,
     ) -> Proposal | NoProposal:
         """The rule's change: its parameter's step, else (at a bound, tabu) the next of `then`'s.
         `running`: requests vLLM ran at once in the before window (a concurrency limit above it does
         not bind, and steps down from it); `window`: the before window (its tokens per request size the
-        KV model's first step under KV pressure)."""
+        KV model's first step under KV pressure); `history`: the serving run so far, whose tokens per
+        request stand in when no request finished in the before window."""
         params = self.life.params
         if rule.action.kind == "revert":
             return self._revert(params)
@@ -84,7 +89,7 @@ class Proposer:
             action = rule.action.model_copy(update={"param": name, "then": []})
             proposal = self._step(action, params, running)
             if name == "max_num_seqs" and action.direction == "down":
-                proposal = self._kv_first(rule, params, window, proposal)
+                proposal = self._kv_first(rule, params, (window, history), proposal)
             if isinstance(proposal, Proposal):
                 return replace(proposal, notes=(*proposal.notes, *reasons))
             reasons.append(f"{name}: {proposal.reason}")
@@ -110,13 +115,19 @@ class Proposer:
         )
 
     def _kv_first(
-        self, rule: Rule, params: EngineParams, window: WindowStats | None, step: Proposal | NoProposal
+        self,
+        rule: Rule,
+        params: EngineParams,
+        windows: tuple[WindowStats | None, WindowStats | None],
+        step: Proposal | NoProposal,
     ) -> Proposal | NoProposal:
         """A down-step of max_num_seqs: under KV pressure the KV model's value first, the rule's `step` the
-        fallback (its notes say why); either is refused at or below a concurrency the door's cap lost."""
+        fallback (its notes say why); either is refused at or below a concurrency the door's cap lost.
+        `windows`: the before window and the serving run so far."""
         lost = tuple(self.door_lost()) if self.door_lost is not None else ()
+        window, history = windows
         if kv_pressure(rule) and window is not None:
-            model = self._model(params, window, lost)
+            model = self._model(params, window, history, lost)
             if isinstance(model, FirstStep):
                 notes = ["the KV model proposed it (the rule's step is the fallback)"]
                 if params.max_num_seqs is None:
@@ -139,9 +150,22 @@ class Proposer:
         return step
 
     def _model(
-        self, params: EngineParams, window: WindowStats, lost: Sequence[LostCap]
+        self,
+        params: EngineParams,
+        window: WindowStats,
+        history: WindowStats | None,
+        lost: Sequence[LostCap],
     ) -> FirstStep | NoFirstStep:
-        """The KV model's first step from the run in force and the before window."""
+        """The KV model's first step from the run in force and the before window (the run so far when no
+        request finished in that window)."""
+        sizes, sizes_from = window, None
+        if (
+            not window.generation_tokens_per_request
+            and history is not None
+            and history.generation_tokens_per_request
+        ):
+            sizes = history
+            sizes_from = f"the run's last {history.seconds:.0f} s: none finished in the before window"
         run = self.life.engine.run
         machine = run.machine if run is not None else None
         backend = machine.backend if machine is not None else "cuda"
@@ -156,10 +180,11 @@ class Proposer:
             kv_tokens=kv_tokens,
             kv_source=source,
             block_size=params.block_size or default_block_size(backend, version=version),
-            prompt_tokens=window.prompt_tokens_per_request,
-            output_tokens=window.generation_tokens_per_request,
+            prompt_tokens=sizes.prompt_tokens_per_request,
+            output_tokens=sizes.generation_tokens_per_request,
             backend=backend,
             capture_sizes=run.capture_sizes if run is not None else None,
+            sizes_from=sizes_from,
         )
         tuning = self.config.tuning
         unified = bool(machine is not None and machine.memory.unified)

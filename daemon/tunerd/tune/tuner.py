@@ -25,6 +25,7 @@ as one source of changes; its decisions are the policy modules', its memory is `
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
@@ -344,8 +345,11 @@ class Tuner:
                 log.info("rule.resolved", rule=rule.name)
             if result.fired:
                 self._fired(rule, result.state, result.terms, run, now)
-                if self.trial is not None:
-                    return  # one change at a time
+                if self.trial is not None or self.curve is not None or self.exploring:
+                    # One experiment at a time: a rule firing in the same poll would otherwise start a
+                    # trial whose restart aborts the curve the first one just began (seen on the goodput
+                    # proof's closed loop: the KV rule's curve, then the TTFT rule's restart, one poll).
+                    return
 
     def _fired(
         self, rule: Rule, state: RuleState, terms: tuple[TermValue, ...], run: EngineRun, now: float
@@ -395,7 +399,9 @@ class Tuner:
             for param, value, why in self.recall.bad_values(before):
                 if (param, value) not in self.memory.tabu():
                     self.memory.add_tabu(param, value, f"tuning memory: {why}")
-        proposal = self.proposer.propose(rule, running=before.running_avg, window=before)
+        history = None if before.generation_tokens_per_request else self._window(-math.inf, before.end)
+        ask = partial(self.proposer.propose, rule, running=before.running_avg, window=before, history=history)
+        proposal = ask()
         if self.fleet is None or self.recall is None:
             return proposal
         # The fleet's best kept value replaces the rule's own step (which may be a value that lost
@@ -409,7 +415,7 @@ class Tuner:
                 return first
         self._fleet_tabu(self.fleet, key)
         if isinstance(proposal, Proposal) and (proposal.param, proposal.new) in self.memory.tabu():
-            return self.proposer.propose(rule, running=before.running_avg, window=before)
+            return ask()
         return proposal
 
     def _fleet_tabu(self, fleet: Fleet, key: ExperienceKey | None) -> None:
@@ -545,8 +551,9 @@ class Tuner:
     def _curve_first(self, rule: Rule, proposal: Proposal, before: WindowStats, now: float) -> bool:
         """Before a restart that lowers max_num_seqs, with the door on: the door's cap at the new value and
         at the value in force, measured on this run in seconds a point (no restart), unless this run's
-        curve measured the new value already. The step is proposed again once the curve is over (the cap
-        at it may have lost: tune/curve.py). True when the curve started (the restart waits)."""
+        curve measured the new value already. The step is proposed again once the curve is over, and is not
+        taken unless the cap at the new value served strictly more (tune/curve.curve_lost_below_best).
+        True when the curve started (the restart waits)."""
         if self.door is None or proposal.param != "max_num_seqs" or not isinstance(proposal.new, int):
             return False
         run, curve = self.life.engine.run, self._curve_points
