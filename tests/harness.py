@@ -29,6 +29,10 @@ from tunerd.procfs import processes as procfs
 REPO = Path(__file__).resolve().parents[1]
 FAKE_VLLM = REPO / "tests" / "fake_vllm" / "fake_vllm.py"
 FIXTURES = REPO / "tests" / "fixtures"
+# How long a wait gives a condition before it fails the test. A bound for a failure only: a passing test
+# waits for its condition, never this long. Generous, because CI's 2-core boxes differ 2x in speed and run
+# two tiers at once beside real vLLM (30 s lost races there: a daemon's first RUNNING under load).
+WAIT_S = 180.0
 
 Record = dict[str, Any]
 
@@ -152,11 +156,11 @@ class Daemon:
         assert self.proc is not None
         self.proc.send_signal(sig)
 
-    def wait_exit(self, timeout: float = 30) -> int:
+    def wait_exit(self, timeout: float = WAIT_S) -> int:
         assert self.proc is not None
         return self.proc.wait(timeout=timeout)
 
-    def stop(self, timeout: float = 30) -> int:
+    def stop(self, timeout: float = WAIT_S) -> int:
         """SIGTERM like systemd; returns the exit status."""
         self.signal(signal.SIGTERM)
         return self.wait_exit(timeout)
@@ -185,7 +189,7 @@ class Daemon:
         return [r["event"] for r in self.records()]
 
     def wait_record(
-        self, predicate: Callable[[Record], bool], timeout: float = 30, after_seq: int = 0
+        self, predicate: Callable[[Record], bool], timeout: float = WAIT_S, after_seq: int = 0
     ) -> Record:
         """The first journal record after `after_seq` matching `predicate`; fails the test on timeout."""
         deadline = time.monotonic() + timeout
@@ -197,7 +201,7 @@ class Daemon:
             time.sleep(0.05)
         raise AssertionError(f"no matching journal record in {timeout} s; journal:\n{self.dump()}")
 
-    def wait_event(self, event: str, timeout: float = 30, after_seq: int = 0, **fields: Any) -> Record:
+    def wait_event(self, event: str, timeout: float = WAIT_S, after_seq: int = 0, **fields: Any) -> Record:
         return self.wait_record(
             lambda r: r["event"] == event and all(r.get(k) == v for k, v in fields.items()),
             timeout,
@@ -285,7 +289,7 @@ class Daemon:
             f"(saw {seen} polls); journal:\n{self.dump()}"
         )
 
-    def wait_state(self, state: str, timeout: float = 30) -> dict[str, Any]:
+    def wait_state(self, state: str, timeout: float = WAIT_S) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         last: dict[str, Any] = {}
         while time.monotonic() < deadline:
@@ -301,7 +305,7 @@ class Daemon:
             f"engine not {state} in {timeout} s; last status {last}; journal:\n{self.dump()}"
         )
 
-    def wait_running(self, pid: int, timeout: float = 30) -> dict[str, Any]:
+    def wait_running(self, pid: int, timeout: float = WAIT_S) -> dict[str, Any]:
         """The status once it shows engine `pid` RUNNING (the status document may lag the journal by a
         fraction of a second: a plain wait_state right after an action can see the old engine)."""
         deadline = time.monotonic() + timeout
@@ -397,7 +401,7 @@ def wait_record_with_pids_dead(
     daemon: Daemon,
     pids: list[int],
     predicate: Callable[[Record], bool],
-    timeout: float = 30,
+    timeout: float = WAIT_S,
     after_seq: int = 0,
 ) -> Record:
     """The first journal record after `after_seq` matching `predicate`; fails unless every process in

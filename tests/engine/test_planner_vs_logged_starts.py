@@ -1,5 +1,5 @@
 """The planner's predictions against the starts other tests of this tier make anyway (test_planner_vs_vllm.py
-has the cases that start vLLM themselves): the shared tiny daemon's first start is case A-kv-1000000 (the
+has the cases that start vLLM themselves): the shared tiny daemon's first start is case A-kv-2000000 (the
 same sizing flags), the tuning module's refused start A-refuse-4096. Each is read from a copy of that
 start's log (`LoggedStarts`), so this module runs after them (tests/engine/conftest._engine_order), on
 the same worker; a case no logged start serves fails here, naming it (a test changed its flags).
@@ -35,7 +35,7 @@ def test_kv_tokens_equal_the_tiny_daemons_first_start(
     logged_results: dict[str, CaseResult], figures: Callable[[str], None]
 ) -> None:
     figures(format_table(list(logged_results.values())))
-    assert_kv_tokens_exact(logged_results["A-kv-1000000"])
+    assert_kv_tokens_exact(logged_results["A-kv-2000000"])
 
 
 def test_estimated_max_model_len_equals_the_refused_start(logged_results: dict[str, CaseResult]) -> None:

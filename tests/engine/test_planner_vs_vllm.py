@@ -37,8 +37,8 @@ pytestmark = pytest.mark.engine
 # ~47 s of the CI run.
 LEFT_TO_BENCH = ("A-kv-7777777-len1000", "B-kv-1500000", "A-util-0.12-repeat")
 # Read from the starts of other tests (test_planner_vs_logged_starts.py): the shared tiny daemon's first
-# start has A-kv-1000000's flags, the tuning module's refused start A-refuse-4096's.
-LOGGED = ("A-kv-1000000", "A-refuse-4096")
+# start has A-kv-2000000's flags, the tuning module's refused start A-refuse-4096's.
+LOGGED = ("A-kv-2000000", "A-refuse-4096")
 CASES = tuple(c for c in DEFAULT_CASES if c.name not in LEFT_TO_BENCH + LOGGED)
 
 
@@ -93,8 +93,9 @@ def test_utilization_calibration_start(
     result = planner_results[name]
     assert result.reported is not None, f"calibration start failed: {result.outcome.error}"
     low, high = result.extra["implied_non_kv_range"]  # type: ignore[misc]
-    # The worker's RSS is known to within one KV block (16,384 bytes for shape A) from the token count.
-    assert high - low == 16_384 - 1
+    # The worker's RSS is known to within one KV block (32,768 bytes for shape A in float32) from the
+    # token count.
+    assert high - low == 32_768 - 1
 
 
 @pytest.mark.parametrize("name", _names("util_predict"))

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from tests.engine.conftest import reload_rules
+from tests.engine.conftest import UP_S, reload_rules
 from tests.harness import Daemon, alive, wait_until
 from tests.load import ClosedLoopLoad
 from tunerd.procfs import processes as procfs
@@ -55,7 +55,7 @@ def test_no_client_request_is_lost_across_a_tuning_restart_or_an_engine_crash(
     daemon = tiny_daemon
     if not daemon.running:
         daemon.start()
-    first = daemon.wait_state("RUNNING", timeout=600)
+    first = daemon.wait_state("RUNNING", timeout=UP_S)
     mark = daemon.last_seq()
     reload_rules(daemon, ALWAYS)
     try:
@@ -64,11 +64,11 @@ def test_no_client_request_is_lost_across_a_tuning_restart_or_an_engine_crash(
         streams = ClosedLoopLoad(url, str(tiny_model), clients=2, max_tokens=64, seed=2, stream=True)
         with plain, streams:
             # 1. The trial's restart (and the verdict's, when it reverts) under load.
-            started = daemon.wait_event("trial.started", after_seq=mark, timeout=300)
-            decided = daemon.wait_event("trial.decided", after_seq=started["seq"], timeout=900)
+            started = daemon.wait_event("trial.started", after_seq=mark, timeout=UP_S)
+            decided = daemon.wait_event("trial.decided", after_seq=started["seq"], timeout=UP_S)
             if decided["decision"] == "reverted":
-                daemon.wait_event("trial.ended", after_seq=decided["seq"], timeout=600)
-            daemon.wait_state("RUNNING", timeout=600)
+                daemon.wait_event("trial.ended", after_seq=decided["seq"], timeout=UP_S)
+            daemon.wait_state("RUNNING", timeout=UP_S)
             before = answered(plain, streams)
             wait_until(lambda: answered(plain, streams) >= before + 10, 300, "answers after the restarts")
             restarted = events_after(daemon, started["seq"] - 1)
@@ -120,7 +120,8 @@ def killed_core(daemon: Daemon) -> None:
     assert not [pid for pid in old_tree if alive(pid)], "no process of the old tree survives"
     retry = daemon.wait_record(lambda r: r["event"] == "intent" and r["action"] == "retry", after_seq=after)
     daemon.wait_record(
-        lambda r: r["event"] == "outcome" and r["intent"] == retry["seq"] and r["result"] == "ok", timeout=600
+        lambda r: r["event"] == "outcome" and r["intent"] == retry["seq"] and r["result"] == "ok",
+        timeout=UP_S,
     )
     new_tree = daemon.marked_pids()
     assert new_tree and not set(new_tree) & set(old_tree)

@@ -21,6 +21,7 @@ import sys
 import httpx
 import pytest
 
+from tests.engine.conftest import UP_S
 from tests.harness import Daemon, alive
 from tunerd.procfs import processes as procfs
 
@@ -40,7 +41,7 @@ def vllm_url(daemon: Daemon) -> str:
 
 
 def test_real_vllm_comes_up_running_with_its_kv_cache_size_read(daemon: Daemon) -> None:
-    status = daemon.wait_state("RUNNING", timeout=400)
+    status = daemon.wait_state("RUNNING", timeout=UP_S)
     ready = [r for r in daemon.records() if r["event"] == "engine.ready"][-1]  # of the engine now running
     assert ready["pid"] == status["engine"]["pid"]
     assert ready["kv_cache_tokens"] == 1952  # "CPU KV cache size: 1,952 tokens" (fixture ok_start.log)
@@ -85,7 +86,7 @@ def test_under_load_the_kv_cache_signal_passes_0_9_and_preemptions_are_counted(d
     vLLM generates, so one wave may pass between two polls: the load goes on, wave after wave, until
     the window shows what it must (or the waves run out), and the signals are read after each wave.
     """
-    daemon.wait_state("RUNNING", timeout=400)
+    daemon.wait_state("RUNNING", timeout=UP_S)
     signals: dict[str, float | None] = {}
     statuses: list[int] = []
     for _ in range(10):
@@ -106,7 +107,7 @@ def test_under_load_the_kv_cache_signal_passes_0_9_and_preemptions_are_counted(d
 
 
 def test_tuning_style_restart_goes_through_the_preflight_and_memory_gate(daemon: Daemon) -> None:
-    before = daemon.wait_state("RUNNING", timeout=400)["engine"]["params"].get("max_num_seqs")
+    before = daemon.wait_state("RUNNING", timeout=UP_S)["engine"]["params"].get("max_num_seqs")
     target = 8 if before != 8 else 12  # a change from whatever is in force: a trial
     old_tree = daemon.marked_pids()
     after = daemon.last_seq()
@@ -138,7 +139,7 @@ def test_tuning_style_restart_goes_through_the_preflight_and_memory_gate(daemon:
     assert spawned["argv"][spawned["argv"].index("--max-num-seqs") + 1] == str(target)
     assert "--shutdown-timeout" in spawned["argv"], "vLLM 0.32 has it (checked with --help at daemon start)"
     outcome = daemon.wait_record(
-        lambda r: r["event"] == "outcome" and r["intent"] == intent["seq"], timeout=400
+        lambda r: r["event"] == "outcome" and r["intent"] == intent["seq"], timeout=UP_S
     )
     assert outcome["result"] == "ok"
     assert not [pid for pid in old_tree if alive(pid)]
@@ -148,7 +149,7 @@ def test_tuning_style_restart_goes_through_the_preflight_and_memory_gate(daemon:
 
 @pytest.mark.stops_tiny_daemon
 def test_sigterm_stops_vllm_and_every_process_of_its_tree(daemon: Daemon) -> None:
-    daemon.wait_state("RUNNING", timeout=400)
+    daemon.wait_state("RUNNING", timeout=UP_S)
     tree = daemon.marked_pids()
     after = daemon.last_seq()
     assert daemon.stop(timeout=120) == 0

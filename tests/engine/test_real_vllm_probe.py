@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from tests.engine.conftest import PROBE, real_sections, reload_rules
+from tests.engine.conftest import PROBE, UP_S, real_sections, reload_rules
 from tests.harness import REPO, Daemon, running_daemon, wait_until
 from tests.load import ClosedLoopLoad
 
@@ -77,7 +77,7 @@ def test_probe_spread_baseline_and_cache_reset_on_the_tiny_model(
     daemon = tiny_daemon  # the engine tier's shared one: the probe on demand, vLLM's dev endpoints on
     if not daemon.running:
         daemon.start()
-    daemon.wait_state("RUNNING", timeout=600)
+    daemon.wait_state("RUNNING", timeout=UP_S)
     reload_rules(daemon, probe_rule(for_s=300))  # a rule on the probe: the baseline gets its figures
     try:
         probe_and_reset(daemon, figures)
@@ -88,7 +88,7 @@ def test_probe_spread_baseline_and_cache_reset_on_the_tiny_model(
 def probe_and_reset(daemon: Daemon, figures: Callable[[str], None]) -> None:
     """The baseline holds the probe's figures; five probes' spread; the comparison; the cache reset."""
     baseline = daemon.wait_record(
-        lambda r: r["event"] == "baseline.recorded" and "probe.throughput" in r["signals"], timeout=300
+        lambda r: r["event"] == "baseline.recorded" and "probe.throughput" in r["signals"], timeout=UP_S
     )
     assert baseline["signals"]["probe.throughput"] > 0
     runs = [json.loads(tunerd(daemon, "probe", "--json").stdout) for _ in range(5)]
@@ -123,7 +123,7 @@ def test_exploration_the_tuning_memory_and_the_probe_rule_on_the_small_model(
     sections = real_sections(
         small_model,
         vllm_cache,
-        engine__params={"max_num_seqs": 2, "kv_cache_memory_bytes": 16_000_000},
+        engine__params={"max_num_seqs": 2, "kv_cache_memory_bytes": 32_000_000},
         observe={"window_s": 10.0},
         tuning={
             "warmup_s": 5.0,
@@ -135,7 +135,7 @@ def test_exploration_the_tuning_memory_and_the_probe_rule_on_the_small_model(
         probe={**PROBE, "prompt_tokens": 32, "max_tokens": 32, "interval_s": 0},
     )
     with running_daemon(tmp_path, sections) as daemon:
-        daemon.wait_state("RUNNING", timeout=600)
+        daemon.wait_state("RUNNING", timeout=UP_S)
         first = tunerd(daemon, "explore", "max_num_seqs").stdout
         assert "max_num_seqs: values 2, 4" in first and "finished" in first
         one = finished(daemon)[-1]
@@ -150,7 +150,9 @@ def test_exploration_the_tuning_memory_and_the_probe_rule_on_the_small_model(
         status = daemon.status()["engine"]
         assert status["params"]["max_num_seqs"] == best and status["known_good"]["max_num_seqs"] == best
         daemon.wait_record(
-            lambda r: r["event"] == "baseline.recorded" and "exploration" in r["why"], after_seq=one["seq"]
+            lambda r: r["event"] == "baseline.recorded" and "exploration" in r["why"],
+            timeout=UP_S,  # after the probe's runs on the best point: minutes on a slow box
+            after_seq=one["seq"],
         )
         tunerd(daemon, "explore", "max_num_seqs")
         two = finished(daemon)[-1]
@@ -178,7 +180,7 @@ def test_exploration_the_tuning_memory_and_the_probe_rule_on_the_small_model(
         with ClosedLoopLoad(url, str(small_model), clients=16, prompt_tokens=64, max_tokens=128, seed=5):
             reloaded = daemon.last_seq()
             fired = daemon.wait_event(
-                "rule.fired", rule="probe-below-baseline", after_seq=reloaded, timeout=400
+                "rule.fired", rule="probe-below-baseline", after_seq=reloaded, timeout=UP_S
             )
         term = fired["terms"][0]
         assert term["term"].startswith("probe.throughput") and term["value"] < term["threshold"], fired

@@ -11,7 +11,7 @@
    not a halving; tunerd keeps a step only on evidence beyond the tolerance, reverts one that lost, and
    stops. The journal tells it; the final parameters are the last kept ones.
 
-The KV case runs a "small" random-weight model (8 layers, hidden 1024, 8,192 bytes of KV per token)
+The KV case runs a "small" random-weight model (8 layers, hidden 1024, 16,384 B of KV per token in float32)
 rather than the tiny one: with the tiny model the 2 cores are spent in vLLM's API server (requests wait
 there, not in the engine, and the KV cache fills only in bursts), so no engine parameter decides its
 throughput. With this one the engine is the bottleneck and the 1,952-token cache is full under 16
@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from tests.engine.conftest import LoggedStarts, real_sections
+from tests.engine.conftest import UP_S, LoggedStarts, real_sections
 from tests.harness import REPO, Daemon, running_daemon, wait_until
 from tests.load import ClosedLoopLoad
 
@@ -47,7 +47,7 @@ def test_a_max_model_len_too_large_for_the_kv_cache_comes_up_with_vllms_estimate
         tuning={"mode": "off"},
     )
     with running_daemon(tmp_path, sections) as daemon:
-        failed = daemon.wait_event("engine.failed", timeout=400)
+        failed = daemon.wait_event("engine.failed", timeout=UP_S)
         assert failed["failure"]["kind"] == "kv_cache_too_small"
         assert failed["failure"]["estimated_max_model_len"] == 1920  # vLLM's own figure, from its line
         # The planner's case A-refuse-4096 (the same flags) reads this refusal's log.
@@ -62,7 +62,7 @@ def test_a_max_model_len_too_large_for_the_kv_cache_comes_up_with_vllms_estimate
         assert (
             correct["params"]["max_model_len"] == 1920 and correct["params_before"]["max_model_len"] == 4096
         )
-        ready = daemon.wait_event("engine.ready", after_seq=correct["seq"], timeout=400)
+        ready = daemon.wait_event("engine.ready", after_seq=correct["seq"], timeout=UP_S)
         assert ready["params"]["max_model_len"] == 1920
         assert daemon.status()["engine"]["state"] == "RUNNING"
 
@@ -94,8 +94,8 @@ def test_kv_pressure_is_tuned_one_verified_step_at_a_time_and_the_loop_stops(
     sections = real_sections(
         small_model,
         vllm_cache,
-        # 1,952 tokens of KV cache (61 blocks of 32 x 8,192 bytes), the tiny model's case.
-        engine__params={"max_num_seqs": 16, "kv_cache_memory_bytes": 16_000_000},
+        # 1,952 tokens of KV cache (61 blocks of 32 x 16,384 bytes), the tiny model's case.
+        engine__params={"max_num_seqs": 16, "kv_cache_memory_bytes": 32_000_000},
         observe={"window_s": 20.0},
         # One lost step mutes the rule: the story is the first step, verified (the rule's fallback step
         # after a lost model step is the unit tier's: tests/unit/test_tuner.py).
@@ -109,11 +109,11 @@ def test_kv_pressure_is_tuned_one_verified_step_at_a_time_and_the_loop_stops(
         },
     )
     with running_daemon(tmp_path, sections) as daemon:
-        daemon.wait_state("RUNNING", timeout=600)
+        daemon.wait_state("RUNNING", timeout=UP_S)
         url = f"http://127.0.0.1:{sections['engine']['port']}"
         with ClosedLoopLoad(url, str(small_model), clients=16, prompt_tokens=16, max_tokens=256, seed=11):
-            fired = daemon.wait_event("rule.fired", rule="kv-cache-pressure", timeout=1200)
-            first = daemon.wait_event("trial.decided", rule="kv-cache-pressure", timeout=1200)
+            fired = daemon.wait_event("rule.fired", rule="kv-cache-pressure", timeout=UP_S)
+            first = daemon.wait_event("trial.decided", rule="kv-cache-pressure", timeout=UP_S)
             # The story ends when the rule has nothing left to try (a reverted value is tabu, the step
             # past it is never taken) or when a kept step cleared the condition (resolved). Which one
             # depends on the box: on CI's slower one max_num_seqs 8 already stopped the preemptions.
@@ -123,12 +123,12 @@ def test_kv_pressure_is_tuned_one_verified_step_at_a_time_and_the_loop_stops(
                     r["event"] in ("rule.exhausted", "rule.muted", "rule.resolved")
                     and r["rule"] == "kv-cache-pressure"
                 ),
-                timeout=1800,
+                timeout=2 * UP_S,  # a second trial and its revert
                 after_seq=first["seq"],
             )
         # A lost trial mutes its rule before its revert has restarted vLLM: the engine's parameters are
         # read once no trial is in flight.
-        wait_until(lambda: daemon.status()["tuning"]["trial"] is None, 600, "the last revert to finish")
+        wait_until(lambda: daemon.status()["tuning"]["trial"] is None, UP_S, "the last revert to finish")
         trials = decided(daemon)
         assert trials[0] == first and all(t["rule"] == "kv-cache-pressure" for t in trials), daemon.dump()
         # The rule fired on the sawtooth's terms (the shipped ones, read from rules.toml above).

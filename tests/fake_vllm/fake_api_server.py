@@ -396,14 +396,15 @@ class ApiServer:
                 os.kill(self.engine.pid, signal.SIGKILL)
 
     def _engine_died(self) -> NoReturn:
-        """engine_killed_run2: cleanup and EngineDeadError lines at once, /health 503 for ~0.5 s, then
-        connections refused; the API server exits by itself with code 0 ~1 s after the engine core died."""
+        """engine_killed_run2: cleanup and EngineDeadError lines at once, /health 503 for ~0.5 s
+        (FAKE_VLLM_DYING_S), then connections refused; the API server exits by itself with code 0 ~0.4 s
+        later."""
         log = fv.FixtureLog("engine_killed_run2.log")
         r = fv.Renderer(log, self.ns, self.pids, [])
         a = log.find("engine core exited unexpectedly")
         b = log.find("INFO:     Shutting down", a)
         fv.emit(log, r, a, b, keep=lambda x: fv.role_of(x) == "APIServer")
-        time.sleep(0.5)
+        time.sleep(self.knobs.dying_s)
         self._close_http()
         fv.emit(log, r, b, len(log.lines), keep=lambda x: not fv.ACCESS.match(x))
         if self.engine is not None:

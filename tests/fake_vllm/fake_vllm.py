@@ -49,7 +49,7 @@ Knobs (environment variables, all optional):
   which ignores SIGTERM and SIGHUP, holds the server socket (the port stays taken) and never exits.
 - ``FAKE_VLLM_ENGINE_DIES_AFTER_S=N``: N s after ``/health`` first answered 200 the engine core is
   SIGKILLed; the API server then behaves as in ``engine_killed_run2``: its log lines, ``/health`` 503 for
-  0.5 s, connections refused, exit 0.
+  ``FAKE_VLLM_DYING_S`` (0.5, the capture's) seconds, connections refused, exit 0.
 - ``FAKE_VLLM_EXIT_AFTER_S=N`` with ``FAKE_VLLM_EXIT_CODE=C`` (1) or ``FAKE_VLLM_EXIT_SIGNAL=SIG`` (``KILL``,
   ``SIGSEGV``, ``9``): N s after ready the API server exits silently with that code or dies by that signal.
 - ``FAKE_VLLM_CONTROL=<json file>``: read again when it changes, at every ``/health``, ``/metrics`` and
@@ -126,6 +126,7 @@ class Knobs:
     replay_s: float
     validate: bool
     linger_s: float | None
+    dying_s: float
     hang: bool
     ignore_sigterm: bool
     grandchild: bool
@@ -147,6 +148,7 @@ class Knobs:
             replay_s=_num("FAKE_VLLM_REPLAY_S", 1.0) or 0.0,
             validate=_flag("FAKE_VLLM_VALIDATE", "1"),
             linger_s=_num("FAKE_VLLM_LINGER_S"),
+            dying_s=_num("FAKE_VLLM_DYING_S", 0.5) or 0.0,
             hang=_flag("FAKE_VLLM_HANG"),
             ignore_sigterm=_flag("FAKE_VLLM_IGNORE_SIGTERM"),
             grandchild=_flag("FAKE_VLLM_GRANDCHILD"),

@@ -368,7 +368,10 @@ def test_unknown_flag_exits_2_like_argparse(start_fake: Callable[..., Fake]) -> 
 
 
 def test_engine_death_like_engine_killed_run2(start_fake: Callable[..., Fake]) -> None:
-    fake = start_fake(*OK_ARGS, env={"FAKE_VLLM_LINGER_S": "0.7"})
+    # The capture's 503 phase (0.5 s) and the worker's ~2 s past the API server, stretched to seconds
+    # that a busy box's scheduler cannot skip between two polls of this loop (0.5 s and 0.7 s lost that
+    # race on CI).
+    fake = start_fake(*OK_ARGS, env={"FAKE_VLLM_DYING_S": "5", "FAKE_VLLM_LINGER_S": "10"})
     fake.wait_ready()
     worker = next(p for p in fake.tree() if comm(p) == "VLLM::Worker")
     engine = next(p for p in fake.tree() if comm(p) == "VLLM::EngineCor")
