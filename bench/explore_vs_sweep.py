@@ -46,7 +46,7 @@ def sections(model: Path, cache: dict[str, str], start: int, tolerance: float, w
     return real_sections(
         model,
         cache,
-        engine__params={"max_num_seqs": start, "kv_cache_memory_bytes": 16_000_000},
+        engine__params={"max_num_seqs": start, "kv_cache_memory_bytes": 32_000_000},  # float32: 1,952 tokens
         observe={"window_s": 10.0},
         tuning={
             "warmup_s": WARMUP_S,

@@ -6,8 +6,10 @@ do, for every contender measured in the same run on the same vLLM build and mode
 
 Real vLLM (CPU build), bench/tuner_vs_sweep.py's engine: the engine tier's "small" random-weight model in
 float32, a 1,920-token KV cache (32 MB), max_model_len 512, so that the batch limits and the cache decide
-what is served. Four seeded workloads (bench/workloads.py; `WORKLOADS`), each with its TTFT and TPOT
-targets fixed here before any run; every figure is the clients' own (tests/load.py's clock).
+what is served. Four seeded workloads (bench/workloads.py; `workloads`); their TTFT and TPOT targets and
+the open loops' rates come from a rule fixed here before any run, applied to the box's speed as the run's
+first vLLM start measures it (`calibrate`: absolute targets did not carry from an AVX-512 box to an
+AVX2 one). Every figure is the clients' own (tests/load.py's clock).
 
 Contenders:
 - vLLM's defaults (no batch flag; the grid point (128, 2048));
@@ -34,6 +36,7 @@ grid point, one cap, 5 s windows, each tunerd run cut to 90 s) checks every path
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import tempfile
 import time
@@ -63,25 +66,50 @@ from bench.workloads import Workload, rolling_attainment, window_figures  # noqa
 from tests.engine.conftest import cache_env, make_small_model, real_sections  # noqa: E402
 from tests.harness import Daemon, free_port  # noqa: E402
 from tests.load import ClosedLoopLoad, OpenLoopLoad  # noqa: E402
-from tunerd.records.journal import parse_time  # noqa: E402
 
 PROMPT_TOKENS = (16, 128)  # bench/tuner_vs_sweep.py's lengths: prompt + answer ≤ 320 of max_model_len 512
 OUTPUT_TOKENS = (32, 192)
-# The targets, fixed before any run (2026-12-04) from the last full sweep of this engine under 12 closed-loop
-# clients (docs/benchmarks/tuner_vs_sweep.json, 2026-12-02): throughput was flat at 149-174 tok/s from
-# max_num_seqs 8 up, while vLLM's ITL p95 was 0.05 s at 4 sequences, 0.08-0.11 s at 8 and 0.22-0.25 s at
-# 12 or more (the 1,920-token cache holds ~6 requests whole: ~1 preemption a second). A decode step's time
-# grows with the batch, so TPOT ≤ 80 ms wants a batch of about 8 or fewer, and TTFT ≤ 4 s wants enough of
-# them running that the queue stays short: the defaults (128) miss TPOT under the heavier loads, a small
-# batch misses TTFT, and the light loads (interactive, open-low, ~0.4 of capacity) meet both.
-TTFT_S, TPOT_S = 4.0, 0.08
-_SHAPE = {"ttft_s": TTFT_S, "tpot_s": TPOT_S, "prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS}
-WORKLOADS = (
-    Workload("interactive", "interactive", clients=4, think_s=3.0, **_SHAPE),
-    Workload("closed", "closed", clients=12, **_SHAPE),
-    Workload("open-low", "open", rate_per_s=0.4, **_SHAPE),
-    Workload("open-high", "open", rate_per_s=1.1, **_SHAPE),
-)
+CLOSED_CLIENTS = 12
+# The targets and the open loops' rates follow the box, by a rule fixed here before any run (2026-12-04):
+# absolute targets fixed on one box do not carry to another. TTFT ≤ 4 s and TPOT ≤ 80 ms came from the
+# 2026-12-02 sweep on an AVX-512 box (vLLM's ITL p95 0.05 s at 4 sequences, so one stream's TPOT at
+# most about that; 12 closed-loop clients served 149-174 tok/s, about 1.3-1.6 answers/s at the answers'
+# mean of 112 tokens). On the AVX2-only box of 2026-12-04 the same engine answered 18-37 tok/s through
+# the door and no contender came near them (docs/benchmarks.md's notes). So the first vLLM start of a run
+# measures the box (`calibrate`): one stream's TPOT p50 (T1) and the defaults' answers a second under the
+# closed workload (R). Then, the factors giving the first targets at T1 = 40 ms and R = 1.3:
+#   TPOT ≤ 2 × T1 (a batch may slow each stream to half its lone speed),
+#   TTFT ≤ 100 × T1 (a whole answer of 192 tokens is ~190 × T1),
+#   open-low at 0.3 × R and open-high at 0.85 × R: meant so that the defaults meet the light loads and
+#   miss the heavy ones, as intended on the box the targets came from.
+TPOT_FACTOR, TTFT_FACTOR = 2.0, 100.0
+OPEN_LOW, OPEN_HIGH = 0.3, 0.85
+CALIBRATION_S = 30.0  # each of the two calibration windows
+
+
+def significant(value: float, digits: int = 2) -> float:
+    """`value` rounded to `digits` significant digits: targets an operator would write."""
+    return float(f"{value:.{digits}g}")
+
+
+def workloads(calibration: dict[str, Any]) -> tuple[Workload, ...]:
+    """The four workloads with the targets and rates the calibration's rule gives."""
+    one = calibration["tpot_1_s"]
+    shape: dict[str, Any] = {
+        "ttft_s": significant(TTFT_FACTOR * one),
+        "tpot_s": significant(TPOT_FACTOR * one),
+        "prompt_tokens": PROMPT_TOKENS,
+        "output_tokens": OUTPUT_TOKENS,
+    }
+    rate = calibration["closed_answers_per_s"]
+    return (
+        Workload("interactive", "interactive", clients=4, think_s=3.0, **shape),
+        Workload("closed", "closed", clients=CLOSED_CLIENTS, **shape),
+        Workload("open-low", "open", rate_per_s=significant(OPEN_LOW * rate), **shape),
+        Workload("open-high", "open", rate_per_s=significant(OPEN_HIGH * rate), **shape),
+    )
+
+
 THROUGHPUT_ON = "closed"  # the workload tunerd also tunes with kind = "throughput"
 GRID = {"max_num_seqs": (4, 8, 12, 16, 128), "max_num_batched_tokens": (128, 256, 512, 2048)}
 QUICK_GRID = {"max_num_seqs": (8, 128), "max_num_batched_tokens": (2048,)}
@@ -105,8 +133,10 @@ class Settings:
 
 
 # The full run's budget (issue 23: bench/run_all.sh under 2 hours on 2 cores): 20 s windows (one start's
-# four workloads in ~2 minutes after it serves), tunerd on the two workloads the defaults miss.
-FULL = Settings(15.0, 5.0, 20.0, GRID, CAPS, ("closed", "open-high"), 120.0, 600.0)
+# four workloads in ~2.5 minutes after it serves: ~3.5 min a grid point with its start, measured), tunerd
+# on the two workloads the defaults miss for up to 7 minutes each (the quick run took 18 min on a box
+# that also ran the integration tests).
+FULL = Settings(15.0, 5.0, 20.0, GRID, CAPS, ("closed", "open-high"), 90.0, 420.0)
 QUICK = Settings(10.0, 3.0, 5.0, QUICK_GRID, QUICK_CAPS, ("open-high",), 30.0, 90.0)
 
 
@@ -128,15 +158,22 @@ def preemptions(url: str) -> float:
 
 
 def measure(
-    base_url: str, metrics_url: str, model: str, workload: Workload, s: Settings, warmup_s: float
+    base_url: str,
+    metrics_url: str,
+    model: str,
+    workload: Workload,
+    s: Settings,
+    warmup_s: float,
+    window_s: float | None = None,
 ) -> dict[str, Any]:
-    """`workload` through `base_url` (vLLM or the door) for `warmup_s` then `s.window_s`, judged on the
-    clients' clock; preemptions from `metrics_url` (vLLM). The load is stopped and drained after."""
+    """`workload` through `base_url` (vLLM or the door) for `warmup_s` then `window_s` (default
+    `s.window_s`), judged on the clients' clock; preemptions from `metrics_url` (vLLM). The load is
+    stopped and drained after."""
     load = workload.load(base_url, model, SEED).start()
     try:
         time.sleep(warmup_s)  # not a synchronisation: the measured window starts after the warm-up
         start, before = time.monotonic(), preemptions(metrics_url)
-        time.sleep(s.window_s)
+        time.sleep(s.window_s if window_s is None else window_s)
         end, after = time.monotonic(), preemptions(metrics_url)
     finally:
         stats = load.stop(timeout_s=300)
@@ -156,6 +193,49 @@ def line(f: dict[str, Any]) -> str:
     )
 
 
+# -- the box, measured first: the targets' rule reads it ----------------------------------------------------
+
+
+def calibrate(
+    model: Path, cache: dict[str, str], s: Settings, results: Results, work: Path
+) -> dict[str, Any]:
+    """One bare start at vLLM's defaults: one stream's TPOT p50 and the closed workload's answers a second
+    (`CALIBRATION_S` each, no targets), kept in the results (`--resume` reuses them)."""
+    if "calibration" in results.data:
+        return results.data["calibration"]
+    say("calibration: one stream, then the closed workload, at vLLM's defaults (bare)")
+    unjudged: dict[str, Any] = {
+        "ttft_s": math.inf,
+        "tpot_s": math.inf,
+        "prompt_tokens": PROMPT_TOKENS,
+        "output_tokens": OUTPUT_TOKENS,
+    }
+    lone = Workload("one stream", "closed", clients=1, **unjudged)
+    busy = Workload("closed", "closed", clients=CLOSED_CLIENTS, **unjudged)
+    with bare_vllm(model, cache, None, work / "vllm-calibrate.log") as url:
+        one = measure(url, url, str(model), lone, s, s.warmup_s, CALIBRATION_S)
+        closed = measure(url, url, str(model), busy, s, s.settle_s, CALIBRATION_S)
+    if one["tpot_p50"] is None or not closed["answered"]:
+        raise SystemExit(
+            f"calibration: too few answers to measure the box (one stream {one}, closed {closed})"
+        )
+    calibration = {
+        "tpot_1_s": one["tpot_p50"],
+        "closed_answers_per_s": closed["answered"] / closed["seconds"],
+        "one_stream": one,
+        "closed": closed,
+        "rule": (
+            f"TPOT ≤ {TPOT_FACTOR:g} × T1, TTFT ≤ {TTFT_FACTOR:g} × T1, "
+            f"open at {OPEN_LOW:g} and {OPEN_HIGH:g} × R"
+        ),
+    }
+    say(f"  one stream: {line(one)}")
+    say(f"  closed ({CLOSED_CLIENTS} clients): {line(closed)}")
+    results.data["calibration"] = calibration
+    results.save()
+    return calibration
+
+
 # -- the grid sweep (vLLM's defaults are its point (128, 2048), started without the flags) ----------------
 
 
@@ -164,10 +244,12 @@ def grid_points(grid: dict[str, tuple[int, ...]]) -> list[dict[str, int]]:
         "max_num_batched_tokens"]]  # fmt: skip
 
 
-def sweep(model: Path, cache: dict[str, str], s: Settings, results: Results, work: Path) -> None:
+def sweep(
+    model: Path, cache: dict[str, str], s: Settings, results: Results, work: Path, ws: tuple[Workload, ...]
+) -> None:
     points = grid_points(s.grid)
     grid = results.data.setdefault("grid", {})
-    say(f"the grid sweep: {len(points)} points, {len(WORKLOADS)} workloads on each start")
+    say(f"the grid sweep: {len(points)} points, {len(ws)} workloads on each start")
     for number, point in enumerate(points, 1):
         if key(point) in grid:
             continue
@@ -176,7 +258,7 @@ def sweep(model: Path, cache: dict[str, str], s: Settings, results: Results, wor
         with bare_vllm(model, cache, flags, work / "vllm-grid.log") as url:
             ready = time.monotonic() - began
             figures = {}
-            for index, w in enumerate(WORKLOADS):
+            for index, w in enumerate(ws):
                 figures[w.name] = measure(
                     url, url, str(model), w, s, s.warmup_s if index == 0 else s.settle_s
                 )
@@ -219,21 +301,24 @@ def urls(daemon: Daemon) -> tuple[str, str]:
     )
 
 
-def caps(model: Path, cache: dict[str, str], s: Settings, results: Results, work: Path) -> None:
+def caps(
+    model: Path, cache: dict[str, str], s: Settings, results: Results, work: Path, ws: tuple[Workload, ...]
+) -> None:
     """Every cap of `s.caps` (and none) under every workload, on one start: no restart."""
     done = results.data.setdefault("caps", {})
-    if all(w.name in done for w in WORKLOADS):
+    if all(w.name in done for w in ws):
         return
     say(f"the static door cap on one start: caps {', '.join(map(str, s.caps))} and none")
-    sections = daemon_sections(model, cache, s, goodput_objective(WORKLOADS[0]), {"mode": "off"})
+    sections = daemon_sections(model, cache, s, goodput_objective(ws[0]), {"mode": "off"})
     sections["door"]["max_in_flight"] = max(s.caps)  # pinned from the start: the controller never steers
+    (work / "caps").mkdir(parents=True, exist_ok=True)
     daemon = Daemon(work / "caps", sections)
     daemon.start()
     try:
         daemon.wait_state("RUNNING", timeout=900)
         door, vllm = urls(daemon)
         first = True
-        for w in WORKLOADS:
+        for w in ws:
             rows: dict[str, Any] = {}
             for cap in (None, *s.caps):
                 daemon.cli("door", "--max-in-flight", "none" if cap is None else str(cap))
@@ -254,12 +339,14 @@ def engine_starts(daemon: Daemon) -> list[dict[str, Any]]:
     return [r for r in daemon.records() if r["event"] == "engine.ready"]
 
 
-def quiet_for(daemon: Daemon, now_wall: float) -> tuple[bool, float]:
-    """(a trial is running, seconds since the last trial started or ended)."""
-    trials = [r for r in daemon.records() if r["event"] in ("trial.started", "trial.ended")]
-    running = bool(trials) and trials[-1]["event"] == "trial.started"
-    last = trials[-1]["time"] if trials else None
-    return running, now_wall - (parse_time(last).timestamp() if last else 0.0)
+# A journal event that is a change tunerd made: the run has not stopped changing while they come.
+CHANGES = ("trial.", "engine.ready", "door.curve.", "door.max_in_flight", "explore.")
+
+
+def door_cap(daemon: Daemon) -> tuple[int | None, bool]:
+    """(the door's cap now, a trial is running), from `tunerd status`."""
+    status = daemon.status()
+    return (status.get("door") or {}).get("max_in_flight"), bool((status.get("tuning") or {}).get("trial"))
 
 
 def tunerd_run(
@@ -285,11 +372,22 @@ def tunerd_run(
         door, vllm = urls(daemon)
         load = w.load(door, str(model), SEED).start()
         began, began_wall = time.monotonic(), time.time()
-        while time.monotonic() - began < s.tunerd_cap_s:
-            running, quiet = quiet_for(daemon, time.time())
-            if not running and min(quiet, time.monotonic() - began) >= s.quiet_s:
+        last_change, seen, cap_trace = began, 0, []
+        # Until nothing changed for quiet_s — no trial, restart, curve or cap move (the steered cap is
+        # journaled at most every 30 s, so the cap is read from the status too) — or the cap of time.
+        while (now := time.monotonic()) - began < s.tunerd_cap_s:
+            for record in daemon.records():
+                if record["seq"] > seen:
+                    seen = record["seq"]
+                    if record["event"].startswith(CHANGES):
+                        last_change = now
+            cap, trial = door_cap(daemon)
+            if cap_trace and cap != cap_trace[-1][1]:
+                last_change = now
+            cap_trace.append((round(now - began, 1), cap))
+            if not trial and now - last_change >= s.quiet_s:
                 break
-            time.sleep(2.0)  # a poll of the journal, not a synchronisation
+            time.sleep(2.0)  # a look at the daemon, not a synchronisation
         stats = load.stop(timeout_s=300)
         load = None
         ended = time.monotonic()
@@ -305,11 +403,7 @@ def tunerd_run(
             "minutes": (ended - began) / 60,
             "minutes_to_feasible": None if feasible is None else feasible / 60,
             "series": series,
-            "caps": [
-                [r["time"], r.get("new")]
-                for r in daemon.records()
-                if r["event"] in ("door.limit", "door.max_in_flight")
-            ],
+            "caps": cap_trace,  # (seconds since the load began, the door's cap; None: no cap)
             "restarts_at": [r["time"] for r in ready[1:]],
             "began": began_wall,
             "trials": [r for r in daemon.records() if r["event"] in ("trial.started", "trial.ended")],
@@ -326,10 +420,12 @@ def tunerd_run(
         daemon.cleanup()
 
 
-def tunerd_all(model: Path, cache: dict[str, str], s: Settings, results: Results, root: Path) -> None:
+def tunerd_all(
+    model: Path, cache: dict[str, str], s: Settings, results: Results, root: Path, ws: tuple[Workload, ...]
+) -> None:
     runs = results.data.setdefault("tunerd", {})
-    todo = [(w, goodput_objective(w), w.name) for w in WORKLOADS if w.name in s.tunerd_on]
-    throughput = next(w for w in WORKLOADS if w.name == THROUGHPUT_ON)
+    todo = [(w, goodput_objective(w), w.name) for w in ws if w.name in s.tunerd_on]
+    throughput = next(w for w in ws if w.name == THROUGHPUT_ON)
     todo.append((throughput, {"kind": "throughput"}, f"{THROUGHPUT_ON} (throughput)"))
     for w, objective, name in todo:
         if runs.get(name, {}).get("final"):
@@ -346,11 +442,11 @@ def tunerd_all(model: Path, cache: dict[str, str], s: Settings, results: Results
 # -- the comparison --------------------------------------------------------------------------------------
 
 
-def compare(results: Results) -> dict[str, Any]:
+def compare(results: Results, ws: tuple[Workload, ...]) -> dict[str, Any]:
     """Per workload: the best of each contender and tunerd's ratio to the best."""
     data = results.data
     summary: dict[str, Any] = {}
-    for w in WORKLOADS:
+    for w in ws:
         grid = {k: p[w.name] for k, p in data.get("grid", {}).items() if w.name in p}
         caps = data.get("caps", {}).get(w.name, {})
         run = data.get("tunerd", {}).get(w.name, {})
@@ -389,17 +485,20 @@ def main() -> int:
             "quick": args.quick,
             "machine": machine(),
             "settings": {**s.__dict__, "attainment": ATTAINMENT, "rolling_s": ROLLING_S, "seed": SEED},
-            "workloads": [w.as_dict() for w in WORKLOADS],
             "engine": {"kv_cache_bytes": KV_BYTES, "max_model_len": MAX_MODEL_LEN, "extra_args": EXTRA_ARGS},
             "vllm_defaults": {n: DEFAULTS[n] for n in GRID},
         },
     )
     say(f"{results.data['machine']}; work dir {root}")
     began = time.monotonic()
-    tunerd_all(model, cache, s, results, root)  # first: the part most likely to fail
-    caps(model, cache, s, results, root)
-    sweep(model, cache, s, results, root)
-    summary = compare(results)
+    ws = workloads(calibrate(model, cache, s, results, root))
+    results.data["workloads"] = [w.as_dict() for w in ws]
+    for w in ws:
+        say(f"  {w.name}: {w.describe()}")
+    tunerd_all(model, cache, s, results, root, ws)  # first after the box: the part most likely to fail
+    caps(model, cache, s, results, root, ws)
+    sweep(model, cache, s, results, root, ws)
+    summary = compare(results, ws)
     for name, row in summary.items():
         say(f"{name}:")
         for contender in ("defaults", "sweep", "static_cap", "tunerd"):

@@ -74,7 +74,7 @@ CLIENTS = 16  # the quickstart's max_num_seqs: with no cap every client runs in 
 PROMPT_TOKENS = (16, 128)  # bench/tuner_vs_sweep.py's workload: lengths drawn per request
 OUTPUT_TOKENS = (32, 192)
 SEED = 7  # the same requests in every start
-KV_BYTES = 16_000_000  # the small model's 8,192 B/token: the quickstart's 1,952-token cache (61 blocks of 32)
+KV_BYTES = 32_000_000  # the small model in float32 (real_sections): 16,384 B/token, 1,952 tokens
 WARMUP_S = 20.0  # [tuning] warmup_s: compile and cache warm-up distort a start's first seconds
 EFFECT = 0.05  # the change a decision should separate (issue 23: "a 5 % change at 90 % confidence")
 # The targets, fixed before any start: about this configuration's p90 on this box under other workers'

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="planner-accuracy-"))
     started = time.monotonic()
-    quick = ("A-kv-1000000", "A-refuse-4096")
+    quick = ("A-kv-2000000", "A-refuse-4096")
     results = run_all(workdir, [c for c in DEFAULT_CASES if c.name in quick] if args.quick else DEFAULT_CASES)
     elapsed = time.monotonic() - started
     print(format_table(results))

@@ -316,6 +316,9 @@ def main() -> int:
     goodput = args.dir / "goodput.json"
     if goodput.exists():
         lines += goodput_report.section(json.loads(goodput.read_text()), args.dir, link)
+    scaling = args.dir / "restart_scaling.json"
+    if scaling.exists():
+        lines += goodput_report.scaling_section(json.loads(scaling.read_text()))
     results = args.dir / "tuner_vs_sweep.json"
     if results.exists():
         lines += tuner_section(json.loads(results.read_text()), args.dir, link)

@@ -48,12 +48,14 @@ bench() {
 began=$(date +%s)
 if [ $quick = 1 ]; then
     bench goodput_proof --quick --out "$out/goodput.json"
+    bench restart_scaling --landscapes 20 --out "$out/restart_scaling.json"
     bench restart_cost --repeats 1 --no-warm
     bench detection_latency --real --repeats 1
     bench poll_cost --polls 50 --daemon-seconds 20
     bench planner_accuracy --quick
 else
     bench goodput_proof --out "$out/goodput.json"
+    bench restart_scaling --out "$out/restart_scaling.json"
     bench restart_cost --repeats 3
     bench detection_latency --real --repeats 3
     bench poll_cost
