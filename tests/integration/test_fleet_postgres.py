@@ -30,9 +30,10 @@ from tunerd.config.memory import MemoryConfig
 from tunerd.records.experience import Entry, ExperienceKey, experience_path
 from tunerd.records.fleet_store import SCHEMA_VERSION, FleetStore
 
-# Relieved, the engine serves 1.5x: a performance change is kept only on evidence of a gain beyond the
-# tolerance (issue 22; LOOSE's 20 % here), not for easing its condition alone.
-RELIEVED = {**PRESSURE, "kv_cache_usage": 0.5, "preemptions_per_s": 0, "tokens_per_s": 450}
+# Relieved, the engine serves 2x: a performance change is kept only on evidence of a gain beyond the
+# tolerance (issue 22; LOOSE's 20 % here), not for easing its condition alone. 1.5x was too close on a
+# busy box: CI measured 303 → 428 tok/s over a 4 s window, ratio interval [1.158, 1.719], budget spent.
+RELIEVED = {**PRESSURE, "kv_cache_usage": 0.5, "preemptions_per_s": 0, "tokens_per_s": 600}
 
 
 def kv_rule(name: str, factor: float) -> str:
