@@ -140,6 +140,35 @@ def test_window_stats_give_the_rates_sizes_and_latencies_of_the_window() -> None
     assert s.ttft_p95 == pytest.approx(0.2425)
 
 
+def sized(series: list[Point], prompt: float, output: float, finished_per_s: float) -> list[Point]:
+    """`series` with vLLM's per-request size histograms: `finished_per_s` requests finish a second, each
+    of `prompt` and `output` tokens."""
+    out = []
+    for p in series:
+        done = finished_per_s * p.t
+        sizes = {
+            "request_prompt_tokens": Histogram(((math.inf, done),), done, done * prompt),
+            "request_generation_tokens": Histogram(((math.inf, done),), done, done * output),
+        }
+        out.append(replace(p, sample=replace(p.sample, **sizes)))
+    return out
+
+
+def test_request_sizes_come_from_the_per_request_histograms_when_vllm_has_them() -> None:
+    # The token counters admit 1.33x the requests the window finishes (a window that admits more than it
+    # finishes, as under preemption): their ratio reads 21.3 prompt tokens a request where every one had 16.
+    series = sized(points(req_per_s=2.0, prompt_per_req=16.0), prompt=16.0, output=256.0, finished_per_s=1.5)
+    s = window_stats(series, 0.0, 30.0, max_num_seqs=None, saturated_waiting=0.5)
+    assert s is not None and s.completed_rate == pytest.approx(2.0)
+    assert s.prompt_tokens_per_request == pytest.approx(16.0)
+    assert s.generation_tokens_per_request == pytest.approx(256.0)
+    # None finished in the window: the counters' ratio, as without the histograms.
+    idle = sized(points(prompt_per_req=16.0), prompt=16.0, output=256.0, finished_per_s=0.0)
+    s = window_stats(idle, 0.0, 30.0, max_num_seqs=None, saturated_waiting=0.5)
+    assert s is not None and s.prompt_tokens_per_request == pytest.approx(16.0)
+    assert s.generation_tokens_per_request == pytest.approx(50.0)
+
+
 def test_requests_waiting_on_average_make_a_window_saturated() -> None:
     assert saturated().saturated
     assert not unsaturated().saturated

@@ -50,6 +50,8 @@ HISTOGRAMS = {
     "e2e_latency": ("vllm:e2e_request_latency_seconds",),
     "queue_time": ("vllm:request_queue_time_seconds",),
     "request_tpot": ("vllm:request_time_per_output_token_seconds",),
+    "request_prompt_tokens": ("vllm:request_prompt_tokens",),
+    "request_generation_tokens": ("vllm:request_generation_tokens",),
 }
 
 

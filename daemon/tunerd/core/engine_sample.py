@@ -47,6 +47,12 @@ class EngineSample:
     # vllm:request_time_per_output_token_seconds: per request, (decode time)/(n − 1), 0 when n ≤ 1; read
     # for the attainment estimate at a TPOT target (core/slo_estimate.py), not for a percentile signal.
     request_tpot: Histogram | None = None
+    # vllm:request_prompt_tokens / vllm:request_generation_tokens: observed once per finished request, so
+    # the increase of sum over count between two polls is the mean size of the requests finished between
+    # them — unlike the token counters, which count a request's prompt at its first token and its output
+    # as it comes (policy/evidence.py).
+    request_prompt_tokens: Histogram | None = None
+    request_generation_tokens: Histogram | None = None
     cache_config: Mapping[str, str] | None = None
 
 

@@ -77,6 +77,9 @@ _HISTOGRAMS: dict[str, tuple[str, ...]] = {
     "e2e_latency": ("vllm:e2e_request_latency_seconds",),
     "queue_time": ("vllm:request_queue_time_seconds",),
     "request_tpot": ("vllm:request_time_per_output_token_seconds",),  # core/slo_estimate.py
+    # Observed once per finished request: the sizes of the requests a window finished (policy/evidence.py).
+    "request_prompt_tokens": ("vllm:request_prompt_tokens",),
+    "request_generation_tokens": ("vllm:request_generation_tokens",),
 }
 _CACHE_CONFIG = "vllm:cache_config_info"
 _HISTOGRAM_SUFFIXES = ("_bucket", "_count", "_sum")
