@@ -142,8 +142,8 @@ def test_kv_pressure_is_tuned_one_verified_step_at_a_time_and_the_loop_stops(
         assert set(held) == {"preemptions.rate", "kv_cache.full_share"}, fired
         assert all(t["holds"] for t in held.values()), fired
         # The first step is the KV cache's arithmetic: vLLM's 1,952 tokens = 61 blocks of 32 (60 usable)
-        # over the blocks one request of the window's prompt + output tokens holds at its end (seen: 15 +
-        # 271 = 286 tokens, 9 blocks: 6).
+        # over the blocks one request of the window's prompt + output tokens holds at its end (seen: 16 +
+        # 256 = 272 tokens, 9 blocks: 6 — the load's own sizes, read from vLLM's per-request histograms).
         (started, *_) = [r for r in daemon.records() if r["event"] == "trial.started"]
         assert started["proposed_by"] == "kv model", started
         arithmetic = started["arithmetic"]
@@ -159,6 +159,15 @@ def test_kv_pressure_is_tuned_one_verified_step_at_a_time_and_the_loop_stops(
                 for t in trials
             )
         )
+        # The same closed loop on both sides is the same load: the first trial is judged on its evidence,
+        # not left inconclusive by a misread of the requests' sizes (every CI run before they came from
+        # vLLM's per-request histograms: "prompt tokens per request 21.3 → 16").
+        assert not first["inconclusive"] and first["evidence"] is not None, first
+        sizes = [
+            (w["prompt_tokens_per_request"], w["generation_tokens_per_request"])
+            for w in (first["before"], first["after"])
+        ]
+        assert all(abs(p - 16) < 0.5 and abs(g - 256) < 2 for p, g in sizes), sizes  # the load's own
         tolerance = 0.05
         kept = [t for t in trials if t["decision"] == "kept"]
         lost = [t for t in trials if t["decision"] != "kept"]
