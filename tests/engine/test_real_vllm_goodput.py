@@ -133,12 +133,6 @@ def test_the_steered_cap_reaches_the_targets_without_a_restart_as_the_clients_me
         observe={"poll_interval_s": 0.25, "window_s": 10.0},
         door={"enabled": True, "port": free_port(), "steer_interval_s": 2.0, "steer_min_samples": 8},
     )
-    # vLLM's own core binding here, not a core of this worker's own (conftest.cpu_binding_env): the story
-    # passed in every CI-like run with it, and failed in the one run with a core of its own — there the
-    # door never moved its cap (no door.limit record over the steered and measured phases), so tunerd read
-    # the uncapped configuration as meeting the target the clients' clock had measured it missing. Not
-    # root-caused.
-    original["engine.env"].pop("VLLM_CPU_OMP_THREADS_BIND", None)
     with running_daemon(tmp_path, original) as daemon:
         first = daemon.wait_state("RUNNING", timeout=UP_S)
         run_the_story(daemon, original, str(small_model), first, figures)
