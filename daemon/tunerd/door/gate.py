@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -81,8 +80,7 @@ class Gate:
     _ready: list[_Waiter] = field(default_factory=list)  # a heap by arrival: released when it is their turn
     _cut: list[_Waiter] = field(default_factory=list)  # cut ones waiting for a new epoch or a probe
     _queued: int = 0  # live waiters in both (cancelled ones leave the heap lazily)
-    _seq: itertools.count[int] = field(default_factory=itertools.count)
-    _arrivals: int = 0
+    _arrivals: int = 0  # requests that arrived so far; the next one's sequence number
     _drain: _Drain | None = None
     _closed: str | None = None
 
@@ -94,8 +92,8 @@ class Gate:
 
     def next_seq(self) -> int:
         """An arrival's sequence number (its place in the queue); arrivals are counted by it."""
-        seq = next(self._seq)
-        self._arrivals = seq + 1
+        seq = self._arrivals
+        self._arrivals += 1
         return seq
 
     def acquire(self, seq: int, cut_epoch: int | None = None) -> Ticket | asyncio.Future[Ticket]:
