@@ -354,7 +354,10 @@ def test_a_spread_between_starts_widens_the_interval_whatever_the_windows() -> N
     assert (spread.decision, spread.evidence) == ("revert", "no difference")  # no window could tell
     assert spread.interval is not None and spread.interval[0] < 1.05 < spread.interval[1]
     assert spread.figures["start_noise"] == 0.10
-    assert spread.figures["no_window_can_tell"] == "the spread between starts (10.0% a start) hides it"
+    hidden_by = "the spread between starts (10.0% a start) hides it"
+    assert spread.figures["no_window_can_tell"] == hidden_by
+    # The reason says so, not "beyond the tolerance": the interval straddles 1 + tolerance.
+    assert spread.reason.endswith("no difference any window could tell: " + hidden_by)
     # At 3 % a start a longer window could still tell: extended.
     assert verdict(before, after, start_noise=0.03).decision in ("keep", "extend")
     assert spread.figures["min_detectable_effect"] > 0.45  # (1.96 + 1.28) × √2 × 10 % and more

@@ -203,8 +203,9 @@ def judge(
     else:
         evidence = _unless_hopeless(weighed.evidence, eased)
     more = weighed.more if weighed is not None else None
+    hidden = figures.get("no_window_can_tell")  # weigh_ratio says why no window could tell
     decision, reason = _act_on(
-        evidence, goal, b, a, interval, eased=eased, tolerance=tuning.tolerance, more=more
+        evidence, goal, b, a, interval, eased=eased, tolerance=tuning.tolerance, more=more, hidden=hidden
     )
     return verdict(decision, reason, evidence, more=more)
 
@@ -246,9 +247,11 @@ def _act_on(
     eased: bool,
     tolerance: float,
     more: More | None = None,
+    hidden: object = None,
 ) -> tuple[Decision, str]:
     """What a performance change's evidence decides (module doc), with the reason an operator reads
-    (`more`: what a straddle asks for)."""
+    (`more`: what a straddle asks for; `hidden`: why no window or start could tell, weigh.py's
+    `no_window_can_tell`, said instead of the tolerance: the interval straddles it)."""
     change = relative_change(b, a)
     moved = f"{goal.name} {goal.describe(b)} → {goal.describe(a)}"
     if change is not None:
@@ -268,6 +271,8 @@ def _act_on(
         return "revert", f"{moved} worse beyond the tolerance {tolerance:.0%}"
     if evidence == SPENT:
         return "revert", f"{moved}: no difference the evidence could tell (extension budget spent)"
+    if hidden:
+        return "revert", f"{moved}: no difference any window could tell: {hidden}"
     return "revert", f"{moved}: no difference beyond the tolerance {tolerance:.0%}"
 
 
