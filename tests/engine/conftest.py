@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.engine.planner_harness import DTYPE, LoggedStart, cache_env
+from tests.engine.planner_harness import DTYPE, LoggedStart, cache_env, cpu_binding_env
 from tests.harness import REPO, Daemon, free_port, running_daemon
 
 # The benchmark probe of the tiny daemon (tests/engine/test_real_vllm_probe.py).
@@ -116,7 +116,7 @@ def real_sections(model: Path, cache_env: dict[str, str], **overrides: dict[str,
             "port": free_port(),
             "extra_args": list(DTYPE_ARGS),
         },
-        "engine.env": dict(cache_env),
+        "engine.env": dict(cache_env) | cpu_binding_env(),
         "engine.params": dict(KV_PRESSURE_PARAMS),
         "timeouts": {"startup_s": STARTUP_S, "graceful_stop_s": 20.0, "health_interval_s": 1.0},
         "backoff": {"initial_s": 1.0, "max_s": 5.0, "known_good_after_s": 5.0, "max_failures": 3},

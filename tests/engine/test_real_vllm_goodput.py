@@ -9,10 +9,14 @@ and the API server, the door and the clients' threads fall behind and deliver wh
 (a client's TPOT of 0 ms): a Python pipe's lag, not the batch's.
 
 The target is set from this box, in this run: the clients' TPOT p90 with the cap pinned at 2, and their
-TPOT p50 with no cap (vLLM runs up to max_num_seqs 16 at once) — the target is halfway between, so the
-uncapped loop misses it on most requests and a small cap meets it on more than eight in ten (measured here:
-TPOT p50 19–21 ms up to 4 at once, 29 ms at 8). A box where a batch of 16 decodes no slower than a batch
-of 2 cannot show this, and the test says so.
+TPOT p50 with no cap (vLLM runs up to max_num_seqs 24 at once) — the target is their geometric mean, so the
+uncapped loop misses it on most requests and a small cap meets it on more than eight in ten. The box's
+speed moves under the story (the other xdist worker starts and compiles vLLMs beside it): CI-like runs
+measured TPOT p90 33–47 ms at cap 2 and p50 98–104 ms with 16 at once, and once a target ~1.5× too high
+(calibrated while the box was busy: the uncapped loop met it later, and the cap went back to 16). The
+geometric mean leaves the same factor of margin on both sides (√(high/low): ~1.7 at 16 at once, ~2 at
+24), and 24 at once widens the gap it is taken from. A box where a batch of 24 decodes no slower than a
+batch of 2 cannot show this, and the test says so.
 
 Then the concurrency curve through the cap (`tunerd door --curve`): the steered cap and no cap's equal,
 30 s a point on the same start, scored by goodput: the steered cap wins (no cap misses the target), and the
@@ -28,6 +32,7 @@ request within a few per cent of the target can land on either side. Seen in CI:
 
 from __future__ import annotations
 
+import math
 import signal
 import statistics
 import subprocess
@@ -46,7 +51,8 @@ from tests.load import ClosedLoopLoad
 
 pytestmark = pytest.mark.engine
 
-CLIENTS = 16  # the tiny daemon's max_num_seqs: with no cap, vLLM decodes all of them at once
+CLIENTS = 24  # the daemon's max_num_seqs: with no cap, vLLM decodes all of them at once (24 × 64 tokens
+# at most: 1,536 of the 32 MB cache's ~1,950, so no preemption)
 ATTAINMENT = 0.8
 TTFT_S = 60.0  # generous: a closed loop waits in the door under a cap, and the door's wait counts in TTFT
 TOLERANCE = 0.10
@@ -152,11 +158,11 @@ def run_the_story(
     pin(daemon, "none")
     uncapped = Run(daemon, url, model, seed=12).until(100, 300, "100 answers with no cap")
     low, high = q(small.tpots, 0.9), statistics.median(uncapped.tpots)
-    assert high > 1.2 * low, (
+    assert high > 1.5 * low, (
         f"no batch effect to steer on this box: TPOT p90 {low * 1e3:.2f} ms at cap 2, "
         f"p50 {high * 1e3:.2f} ms with none"
     )
-    target = (low + high) / 2
+    target = math.sqrt(low * high)  # as far from each side, as a factor (the docstring)
     default_attainment = uncapped.clients_attainment(target)
     assert default_attainment < ATTAINMENT  # the uncapped configuration misses the target
 
