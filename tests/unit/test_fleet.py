@@ -21,7 +21,15 @@ from tunerd.records.fleet_store import Exchange, FleetError, read_password
 from tunerd.records.journal import Journal, read_records
 from tunerd.records.metrics import Metrics
 from tunerd.records.recorder import Recorder
-from tunerd.tune.fleet import HOST_ENV, Fleet, fleet_bad_values, fleet_first, fleet_for, with_value
+from tunerd.tune.fleet import (
+    HOST_ENV,
+    Fleet,
+    FleetValue,
+    fleet_bad_values,
+    fleet_first,
+    fleet_for,
+    with_value,
+)
 
 KEY = ExperienceKey("model-fp", "cuda:NVIDIA H200:140GiB", "0.32.0", "prompt~128 output~64 concurrency~16")
 OTHER = ExperienceKey("model-fp", "cuda:NVIDIA H200:140GiB", "0.32.0", "prompt~1024 output~64 concurrency~16")
@@ -226,6 +234,24 @@ def test_a_pending_exchange_blocks_nothing(tmp_path: Path) -> None:
     for now in (10.0, 20.0, 30.0):  # the job hangs (the database does not answer): no second one piles up
         fleet.step(now)
     assert len(jobs.queued) == 1
+
+
+def test_a_value_another_box_kept_is_proposed_first_and_says_the_fleet_proposed_it(tmp_path: Path) -> None:
+    fleet, _, _, journal = rig(tmp_path, FakeStore())
+    model = Proposal("max_num_seqs", 16, 8, PARAMS.replace(max_num_seqs=8), proposed_by="kv model",
+                     arithmetic="KV cache ...")  # fmt: skip
+    kept = FleetValue("max_num_seqs", 12, "gpu-b", "kept: +12% goodput")
+    fleet.first = lambda key, proposal, tabu: kept  # type: ignore[method-assign]  # the snapshot's one value
+    taken = fleet.take_first(KEY, model, {})
+    assert (taken.new, taken.proposed_by, taken.arithmetic) == (12, "fleet", None)
+    assert "fleet: kept: +12% goodput" in taken.notes
+    (said,) = [r for r in events(journal) if r["event"] == "memory.from_fleet"]
+    assert (said["taken"], said["new"], said["instead_of"], said["host"]) == (
+        "first proposal",
+        12,
+        8,
+        "gpu-b",
+    )
 
 
 def test_memory_show_says_where_each_entry_came_from() -> None:

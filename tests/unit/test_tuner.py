@@ -29,8 +29,10 @@ from tunerd.observe.poller import PollSample
 from tunerd.observe.signals import SignalWindow
 from tunerd.observe.vllm_metrics import ScrapeResult
 from tunerd.policy.first_step import LostCap
+from tunerd.policy.objective import Throughput
 from tunerd.records.experience import Experience
 from tunerd.supervise.capacity import PlanOutcome
+from tunerd.tune.curve import CurvePoint
 from tunerd.tune.experiment import Phase
 from tunerd.tune.recall import Recall
 from tunerd.tune.tuner import Tuner
@@ -444,24 +446,6 @@ def test_a_concurrency_the_doors_cap_lost_is_not_tried_for_max_num_seqs(tmp_path
     assert sim.rig.last("trial.started")["new"] == 16  # above the cap lost at 8
 
 
-def test_a_value_another_box_kept_says_the_fleet_proposed_it(tmp_path: Path) -> None:
-    from tunerd.policy.tunables import Proposal
-    from tunerd.tune.fleet import FleetValue
-
-    sim = make_tuner(tmp_path)
-    params = sim.params()
-    model = Proposal("max_num_seqs", 32, 16, params.replace(max_num_seqs=16), proposed_by="kv model",
-                     arithmetic="KV cache ...")  # fmt: skip
-
-    class OneValue:  # the fleet's snapshot holds one kept value for this parameter
-        def first(self, key: object, proposal: Proposal, tabu: object) -> FleetValue:
-            return FleetValue("max_num_seqs", 24, "gpu-b", "kept: +12% goodput")
-
-    taken = sim.tuner._fleet_first(OneValue(), None, model)  # type: ignore[arg-type]
-    assert (taken.new, taken.proposed_by, taken.arithmetic) == (24, "fleet", None)
-    assert "fleet: kept: +12% goodput" in taken.notes
-
-
 def test_pause_stops_rules_acting_and_survives_a_daemon_restart(tmp_path: Path) -> None:
     sim = make_tuner(tmp_path)
     assert sim.tuner.pause()
@@ -635,8 +619,15 @@ def test_a_concurrency_the_curve_lost_is_not_tried_for_max_num_seqs_on_that_run(
     sim = make_tuner(tmp_path, start_lines=KV_MODEL_START)
     run = sim.rig.lifecycle.engine.run
     assert run is not None
-    why = "the concurrency curve: the door's cap at 16 served 50 tok/s against 100 tok/s at 32 (-50%)"
-    sim.tuner._curve_lost = (run.run_id, LostCap(16, why))  # what a finished `tunerd door --curve` leaves
+    points = (
+        CurvePoint(16, 30.0, 50.0, 0.02, 50.0, None, None, None, None, None),
+        CurvePoint(32, 30.0, 100.0, 0.02, 100.0, None, None, None, None, None),
+    )
+    sim.tuner.curves.keep(run.run_id, points, Throughput())  # what `tunerd door --curve 16,32` leaves
+    why = (
+        "the concurrency curve: the door's cap at 16 served 50 tok/s against 100 tok/s at 32 (-50%, "
+        "noise ±3%)"
+    )
     sim.run_for(600)
     assert not sim.rig.records("trial.started")
     assert sim.rig.last("rule.deferred")["reason"] == (
@@ -646,24 +637,23 @@ def test_a_concurrency_the_curve_lost_is_not_tried_for_max_num_seqs_on_that_run(
 
 
 def test_a_restart_the_curve_measured_says_what_it_is_expected_to_gain(tmp_path: Path) -> None:
-    from tunerd.policy.objective import Throughput
-    from tunerd.tune.curve import CurvePoint
-
+    # The restart is let through only where the cap at the new value ranked first on the curve; its note
+    # compares that cap with the cap at the max_num_seqs in force (32), not with the best (itself: +0 %).
     sim = make_tuner(tmp_path, start_lines=KV_MODEL_START)
     run = sim.rig.lifecycle.engine.run
     assert run is not None
     points = (
-        CurvePoint(16, 30.0, 96.0, 0.02, 96.0, None, None, None, None, None),
+        CurvePoint(16, 30.0, 104.0, 0.02, 104.0, None, None, None, None, None),
         CurvePoint(32, 30.0, 100.0, 0.02, 100.0, None, None, None, None, None),
     )
-    sim.tuner._curve_points = (run.run_id, points, Throughput())  # what `tunerd door --curve 16,32` leaves
+    sim.tuner.curves.keep(run.run_id, points, Throughput())  # what `tunerd door --curve 16,32` leaves
     sim.run_until(lambda: bool(sim.rig.records("trial.started")))
     started = sim.rig.last("trial.started")
     assert started["new"] == 16
     assert (
-        "the concurrency curve measured the door's cap at 16: 96 tok/s, against 100 tok/s at its best cap "
-        "32: expected gain of the restart -4% (about what the cap served; more only for memory or batch "
-        "shapes)"
+        "the concurrency curve measured the door's cap at 16: 104 tok/s, against 100 tok/s at 32 (the "
+        "max_num_seqs in force): expected gain of the restart +4% (about what the cap served; more only for "
+        "memory or batch shapes)"
     ) in started["notes"]
 
 

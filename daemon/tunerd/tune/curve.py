@@ -159,20 +159,28 @@ def curve_lost_below_best(points: Sequence[CurvePoint], goal: Objective) -> Lost
     )
 
 
-def expected_from_curve(points: Sequence[CurvePoint], goal: Objective, value: int) -> str | None:
+def expected_from_curve(
+    points: Sequence[CurvePoint], goal: Objective, value: int, in_force: int | None
+) -> str | None:
     """What the curve says a restart to max_num_seqs = `value` buys (for the trial's notes): the cap at
-    `value` against the curve's best. The cap runs as many at once without a restart, so the restart is
-    expected to serve about what the cap did — more only where it buys memory or batch shapes the cap
-    cannot. None when the curve did not measure `value`."""
-    at = next((p for p in points if p.cap == value and p.objective is not None), None)
-    best = best_point(points, goal)
-    if at is None or best is None or at.objective is None or best.objective is None or best.objective <= 0:
+    `value` against the cap at the max_num_seqs in force (`in_force`; the curve's best when the curve did
+    not measure it). The cap runs as many at once without a restart, so the restart is expected to serve
+    about what the cap did — more only where it buys memory or batch shapes the cap cannot. None when the
+    curve did not measure `value`. (Against the best alone, the note said "+0 %" of every restart it let
+    through: `curve_lost_below_best` lets one through only where `value` is the best.)"""
+
+    def at(cap: int | None) -> CurvePoint | None:
+        return next((p for p in points if p.cap == cap and p.objective is not None), None)
+
+    new, old = at(value), at(in_force) or best_point(points, goal)
+    if new is None or old is None or new.objective is None or old.objective is None or old.objective <= 0:
         return None
-    change = at.objective / best.objective - 1
+    which = "the max_num_seqs in force" if old.cap == in_force else "the curve's best"
     return (
-        f"the concurrency curve measured the door's cap at {value}: {goal.describe(at.objective)}, against "
-        f"{goal.describe(best.objective)} at its best cap {best.cap}: expected gain of the restart "
-        f"{change:+.0%} (about what the cap served; more only for memory or batch shapes)"
+        f"the concurrency curve measured the door's cap at {value}: {goal.describe(new.objective)}, against "
+        f"{goal.describe(old.objective)} at {old.cap} ({which}): expected gain of the restart "
+        f"{new.objective / old.objective - 1:+.0%} (about what the cap served; more only for memory or "
+        "batch shapes)"
     )
 
 
@@ -278,3 +286,64 @@ class CapCurve:
             points=[p.as_dict() for p in self.points],
             trigger=self.trigger,
         )
+
+
+class CurveSlot:
+    """The tuner's one concurrency curve: the curve in progress and the run it measures (a restart of vLLM
+    ends it), and the serving run's last finished curve — what it says a restart of max_num_seqs is
+    expected to gain (`expected_from_curve`) and the largest cap it lost below its best (a concurrency not
+    worth a restart under this load: `curve_lost_below_best`). A curve of an earlier run measured another
+    start: it says nothing of this one."""
+
+    def __init__(self) -> None:
+        self.curve: CapCurve | None = None
+        self._run: int | None = None
+        self._last: tuple[int, tuple[CurvePoint, ...], Objective] | None = None  # (run id, points, goal)
+
+    @property
+    def busy(self) -> bool:
+        return self.curve is not None
+
+    def begin(self, curve: CapCurve, run_id: int) -> None:
+        """`curve` (just started) measures run `run_id`."""
+        self.curve, self._run = curve, run_id
+
+    def keep(self, run_id: int, points: Sequence[CurvePoint], goal: Objective) -> None:
+        """Run `run_id`'s finished curve: its `points`, scored by `goal`."""
+        self._last = (run_id, tuple(points), goal)
+
+    def step(self, now: float, serving_run: int | None) -> bool:
+        """Move the curve in progress on: True when it finished now (kept for run `serving_run`); aborted
+        when vLLM restarted or stopped (`serving_run` None or another run)."""
+        curve = self.curve
+        if curve is None:
+            return False
+        if serving_run is None or serving_run != self._run:
+            curve.abort("vLLM restarted or stopped: the curve measures one run")
+            self.curve = None
+            return False
+        if not curve.step(now):
+            return False
+        self.keep(serving_run, curve.points, curve.goal)
+        self.curve = None
+        return True
+
+    def _of(self, run_id: int | None) -> tuple[tuple[CurvePoint, ...], Objective] | None:
+        last = self._last
+        return (last[1], last[2]) if last is not None and last[0] == run_id else None
+
+    def lost(self, run_id: int | None) -> LostCap | None:
+        """The largest cap run `run_id`'s last curve lost below its best (None: none, or no curve)."""
+        last = self._of(run_id)
+        return None if last is None else curve_lost_below_best(*last)
+
+    def measured(self, run_id: int | None, cap: int) -> bool:
+        """Run `run_id`'s last curve measured `cap`."""
+        last = self._of(run_id)
+        return last is not None and cap in (p.cap for p in last[0])
+
+    def expected(self, run_id: int | None, cap: int, in_force: int | None) -> str | None:
+        """What the door's cap at `cap` served in run `run_id`'s last curve against the cap at `in_force`,
+        as a proposal's note (None: no such curve, or it did not measure `cap`)."""
+        last = self._of(run_id)
+        return None if last is None else expected_from_curve(*last, cap, in_force)

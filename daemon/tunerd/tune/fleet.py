@@ -34,6 +34,7 @@ from tunerd.policy.tunables import Proposal
 from tunerd.records.experience import BAD_DECISIONS, Entry, Experience, ExperienceKey
 from tunerd.records.fleet_store import Exchange, FleetError, FleetStore
 from tunerd.records.recorder import Recorder
+from tunerd.tune.memory import TuningMemory
 
 log = structlog.get_logger("tunerd")
 
@@ -265,6 +266,42 @@ class Fleet:
             objective=config.tuning.objective,
             bounds=bounds,
         )
+
+    def take_bad_values(self, key: ExperienceKey | None, memory: TuningMemory) -> None:
+        """The values that lost on other boxes under `key` (a trial's) join `memory`'s tabu list
+        (journaled, `memory.from_fleet`)."""
+        taken = []
+        for bad in self.bad_values(key):
+            if (bad.param, bad.value) not in memory.tabu():
+                memory.add_tabu(bad.param, bad.value, f"fleet: {bad.why}")
+                taken.append({"param": bad.param, "value": bad.value, "host": bad.host, "why": bad.why})
+        if taken:
+            self.rec.record("memory.from_fleet", taken="tabu", values=taken, key=str(key))
+
+    def take_first(
+        self, key: ExperienceKey | None, proposal: Proposal, tabu: Iterable[tuple[str, Any]]
+    ) -> Proposal:
+        """`proposal` with the best value another box kept for its parameter, to try first (verified
+        here like any trial; journaled, `memory.from_fleet`), or `proposal` itself when there is none."""
+        found = self.first(key, proposal, tabu)
+        if found is None:
+            return proposal
+        changed = with_value(proposal, found.value, f"fleet: {found.why}")
+        if changed is None:
+            return proposal
+        self.rec.record(
+            "memory.from_fleet",
+            taken="first proposal",
+            param=proposal.param,
+            old=proposal.old,
+            new=found.value,
+            instead_of=proposal.new,
+            host=found.host,
+            objective=found.objective,
+            objective_name=found.objective_name,
+            key=str(key),
+        )
+        return replace(changed, proposed_by="fleet", arithmetic=None)
 
 
 def fleet_for(

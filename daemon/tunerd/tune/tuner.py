@@ -19,8 +19,10 @@ A trial is `trials.Trial`'s: the judge of the one change, whose phases and chang
 runs (tune/experiment.py); the tuner is its source: it evaluates the rules, asks `policy.fired.decide`
 what a fired rule does, proposes the change (`proposer`), and keeps the windows the trial measures.
 The second mode, exploration, is `explorer`'s (started by `explore_triggers`); the probe is
-`prober`'s. Over 400 lines (about 430): the rules, the baselines and the start of a trial read in order
-as one source of changes; its decisions are the policy modules', its memory is `tune.memory`'s.
+`prober`'s; the baseline `baseline`'s; the door's concurrency curve `curve.CurveSlot`'s; the fleet's
+proposals `fleet`'s. Over 400 lines (about 590): the rules, the start of a trial and what may run
+beside what (one experiment at a time) read in order as one source of changes; its decisions are the
+policy modules', its memory is `tune.memory`'s.
 """
 
 from __future__ import annotations
@@ -40,7 +42,6 @@ from tunerd.core.params import EngineParams, batch_defaults
 from tunerd.core.states import EngineState
 from tunerd.engine.process import EngineRun
 from tunerd.observe.poller import PollSample
-from tunerd.observe.probe import ProbeResult
 from tunerd.policy.evidence import (
     Point,
     WindowStats,
@@ -53,22 +54,22 @@ from tunerd.policy.evidence import (
 from tunerd.policy.fired import Act, Alert, Defer, Facts, Mute, decide
 from tunerd.policy.first_step import LostCap
 from tunerd.policy.gates import window_open
-from tunerd.policy.objective import Goodput, Objective, Throughput, configured, objective
+from tunerd.policy.objective import Goodput, Throughput, configured, objective
 from tunerd.policy.rules import RuleState, TermValue, evaluate
 from tunerd.policy.tunables import NoProposal, Proposal
 from tunerd.policy.verdict import objective_in_force
 from tunerd.policy.weigh import noise_meter
-from tunerd.records.experience import ExperienceKey
 from tunerd.records.metrics import Metrics
 from tunerd.records.recorder import Recorder
 from tunerd.records.state import DaemonState
 from tunerd.supervise.capacity import PlanOutcome
 from tunerd.supervise.change import ChangeEvent
 from tunerd.supervise.lifecycle import Lifecycle
-from tunerd.tune.curve import CapCurve, CurvePoint, DoorCap, curve_lost_below_best, expected_from_curve
+from tunerd.tune.baseline import Baselines
+from tunerd.tune.curve import CapCurve, CurveSlot, DoorCap
 from tunerd.tune.explore_triggers import ExploreTriggers
 from tunerd.tune.explorer import Explorer
-from tunerd.tune.fleet import Fleet, with_value
+from tunerd.tune.fleet import Fleet
 from tunerd.tune.memory import TuningMemory
 from tunerd.tune.prober import Prober
 from tunerd.tune.proposer import Proposer
@@ -113,8 +114,7 @@ class Tuner:
         self.samples = RunSamples()
         self.live: Mapping[str, float | None] = {}
         self.trial: Trial | None = None
-        self.curve: CapCurve | None = None  # `tunerd door --curve`: the cap measured point by point
-        self._curve_run: int | None = None  # the run it measures (a restart ends it)
+        self.curves = CurveSlot()  # `tunerd door --curve`, or a rule's step measured through the cap
         self.memory = TuningMemory(
             dstate.tuning,
             lambda: self.config.tuning,
@@ -123,21 +123,17 @@ class Tuner:
             wallclock=wallclock,
         )
         self.prober = prober
+        self.baselines = Baselines(self.memory, prober, lambda: self.config, recorder=recorder)
         self.recall = recall
         self.fleet = fleet  # the shared tuning memory ([memory] url), None: this box alone
-        # What the door's cap lost: its steered controller's memory, and the last curve's (of this run).
-        self._curve_lost: tuple[int, LostCap] | None = None  # (run id, the largest cap below the best)
-        self._curve_points: tuple[int, tuple[CurvePoint, ...], Objective] | None = None  # (run id, …)
         self.door = door  # the front door's cap, for a curve (None: the door is off)
         self._after_curve: tuple[Rule, WindowStats] | None = None  # a rule's step waiting on its curve
 
         def lost() -> tuple[LostCap, ...]:
+            """What the door's cap lost: its steered controller's memory, and this run's last curve's."""
             steered = tuple(door_lost()) if door_lost is not None else ()
-            run = self.life.engine.run
-            curve = self._curve_lost
-            if curve is not None and run is not None and run.run_id == curve[0]:
-                return (*steered, curve[1])
-            return steered
+            by_curve = self.curves.lost(self._serving_run())
+            return steered if by_curve is None else (*steered, by_curve)
 
         self.proposer = Proposer(lifecycle, self.memory, lambda: self.config, restart_wait, lost)
         self._trial_ctx = TrialContext(
@@ -149,7 +145,7 @@ class Tuner:
             submit=submit,
             window=self._window,
             rule_values=self._rule_values,
-            on_kept=self._probe_for_baseline,
+            on_kept=self.baselines.probe,
             recall=recall,
         )
         self.explorer = (
@@ -161,7 +157,7 @@ class Tuner:
                 recorder=recorder,
                 monotonic=lifecycle.monotonic,
                 recall=recall,
-                on_kept=self._probe_for_baseline,
+                on_kept=self.baselines.probe,
                 submit=submit,
                 window=self._window,
             )
@@ -182,8 +178,6 @@ class Tuner:
             if self.explorer is not None
             else None
         )
-        self._baseline_probed = False  # the first probe baseline was asked for in this daemon run
-        self._baseline_waits = False  # ... and journaled as waiting for live traffic to ease
         self._publish_mode()
 
     @property
@@ -208,7 +202,7 @@ class Tuner:
             return "tuning is paused (tunerd resume)"
         if self.trial is not None:
             return "a trial is running"
-        if self.curve is not None:
+        if self.curves.busy:
             return "the door's concurrency curve is being measured"
         return None
 
@@ -259,7 +253,7 @@ class Tuner:
             while points and points[0].t < now - horizon:
                 points.popleft()
         self.live = signals
-        if self.trial is None and not self.exploring and self.curve is None:
+        if self.trial is None and not self.exploring and not self.curves.busy:
             self._evaluate_rules(run, now)
 
     def noise(self, now: float) -> dict[str, object] | None:
@@ -326,7 +320,7 @@ class Tuner:
     def _evaluate_rules(self, run: EngineRun, now: float) -> None:
         if not self.rules or self.config.tuning.mode == "off" or not self._settled(run, now):
             return
-        self._maybe_record_baseline(now)
+        self.baselines.step(self.live, partial(self._rule_values, now))
         for rule in self.rules:
             state = self.states.get(rule.name, RuleState())
             mute = self.memory.muted(rule.name)
@@ -345,7 +339,7 @@ class Tuner:
                 log.info("rule.resolved", rule=rule.name)
             if result.fired:
                 self._fired(rule, result.state, result.terms, run, now)
-                if self.trial is not None or self.curve is not None or self.exploring:
+                if self.trial is not None or self.curves.busy or self.exploring:
                     # One experiment at a time: a rule firing in the same poll would otherwise start a
                     # trial whose restart aborts the curve the first one just began (seen on the goodput
                     # proof's closed loop: the KV rule's curve, then the TTFT rule's restart, one poll).
@@ -409,60 +403,20 @@ class Tuner:
         # step that landed on it is proposed again (the proposer says why not, or takes the next).
         key = self.recall.live_key(before)
         if isinstance(proposal, Proposal):
-            first = self._fleet_first(self.fleet, key, proposal)
+            first = self.fleet.take_first(key, proposal, self.memory.tabu())
             if first is not proposal:
-                self._fleet_tabu(self.fleet, key)
+                self.fleet.take_bad_values(key, self.memory)
                 return first
-        self._fleet_tabu(self.fleet, key)
+        self.fleet.take_bad_values(key, self.memory)
         if isinstance(proposal, Proposal) and (proposal.param, proposal.new) in self.memory.tabu():
             return ask()
         return proposal
 
-    def _fleet_tabu(self, fleet: Fleet, key: ExperienceKey | None) -> None:
-        """The values that lost on other boxes under this trial's key join the tabu list (journaled)."""
-        taken = []
-        for bad in fleet.bad_values(key):
-            if (bad.param, bad.value) not in self.memory.tabu():
-                self.memory.add_tabu(bad.param, bad.value, f"fleet: {bad.why}")
-                taken.append({"param": bad.param, "value": bad.value, "host": bad.host, "why": bad.why})
-        if taken:
-            self.rec.record("memory.from_fleet", taken="tabu", values=taken, key=str(key))
-
-    def _fleet_first(self, fleet: Fleet, key: ExperienceKey | None, proposal: Proposal) -> Proposal:
-        """The best value another box kept for this parameter, tried first (and verified here)."""
-        found = fleet.first(key, proposal, self.memory.tabu())
-        if found is None:
-            return proposal
-        changed = with_value(proposal, found.value, f"fleet: {found.why}")
-        if changed is None:
-            return proposal
-        changed = replace(changed, proposed_by="fleet", arithmetic=None)
-        self.rec.record(
-            "memory.from_fleet",
-            taken="first proposal",
-            param=proposal.param,
-            old=proposal.old,
-            new=found.value,
-            instead_of=proposal.new,
-            host=found.host,
-            objective=found.objective,
-            objective_name=found.objective_name,
-            key=str(key),
-        )
-        return changed
-
     def _act(self, rule: Rule, decision: Act, now: float) -> None:
         """Run the decided proposal as a trial (in dry-run: journal it only)."""
         proposal, before = decision.proposal, decision.before
-        curve = self._curve_points
-        run = self.life.engine.run
-        if (
-            curve is not None
-            and run is not None
-            and run.run_id == curve[0]
-            and proposal.param == "max_num_seqs"
-        ):
-            note = expected_from_curve(curve[1], curve[2], proposal.new)  # type: ignore[arg-type]
+        if proposal.param == "max_num_seqs" and isinstance(proposal.new, int):
+            note = self.curves.expected(self._serving_run(), proposal.new, self._max_num_seqs_in_force())
             if note is not None:  # what the door's cap at that value served, without a restart
                 proposal = replace(proposal, notes=(*proposal.notes, note))
         if not decision.dry_run and self._curve_first(rule, proposal, before, now):
@@ -528,12 +482,12 @@ class Tuner:
             return "a trial is running"
         if self.exploring:
             return "an exploration is running"
-        if self.curve is not None:
+        if self.curves.busy:
             return "a curve is already being measured"
         config = self.config
         name = objective_in_force(config.tuning, config.objective, config.door.enabled).name
         goal = configured(config.objective) if name == Goodput.name else objective(name)
-        self.curve = CapCurve(
+        curve = CapCurve(
             caps,
             point_s=point_s,
             settle_s=settle_s,
@@ -545,7 +499,7 @@ class Tuner:
             trigger=trigger,
             now=now,
         )
-        self._curve_run = run.run_id
+        self.curves.begin(curve, run.run_id)
         return None
 
     def _curve_first(self, rule: Rule, proposal: Proposal, before: WindowStats, now: float) -> bool:
@@ -556,10 +510,8 @@ class Tuner:
         True when the curve started (the restart waits)."""
         if self.door is None or proposal.param != "max_num_seqs" or not isinstance(proposal.new, int):
             return False
-        run, curve = self.life.engine.run, self._curve_points
-        if run is None or (
-            curve is not None and curve[0] == run.run_id and proposal.new in (p.cap for p in curve[1])
-        ):
+        run = self.life.engine.run
+        if run is None or self.curves.measured(run.run_id, proposal.new):
             return False
         current = self._max_num_seqs_in_force()
         if current is None or proposal.new >= current:
@@ -577,6 +529,11 @@ class Tuner:
             return False
         self._after_curve = (rule, before)
         return True
+
+    def _serving_run(self) -> int | None:
+        """The run id of the vLLM serving now (None: none is)."""
+        run = self.life.engine.run
+        return run.run_id if run is not None and self.life.engine.state is EngineState.RUNNING else None
 
     def _max_num_seqs_in_force(self) -> int | None:
         """The serving run's max_num_seqs, vLLM's default for its machine when unset (None: unknown)."""
@@ -605,22 +562,11 @@ class Tuner:
         """Drive the trial, the exploration or the curve in progress (every loop tick)."""
         if self.fleet is not None:
             self.fleet.step(now)
-        if self.curve is not None:
-            run = self.life.engine.run
-            if (
-                run is None
-                or run.run_id != self._curve_run
-                or self.life.engine.state is not EngineState.RUNNING
-            ):
-                self.curve.abort("vLLM restarted or stopped: the curve measures one run")
-                self.curve, self._after_curve = None, None
-            elif self.curve.step(now):
-                self._curve_points = (self._curve_run or 0, tuple(self.curve.points), self.curve.goal)
-                below = curve_lost_below_best(self.curve.points, self.curve.goal)
-                if below is not None and self._curve_run is not None:
-                    self._curve_lost = (self._curve_run, below)
-                self.curve = None
+        if self.curves.busy:
+            if self.curves.step(now, self._serving_run()):
                 self._after_the_curve(now)
+            elif not self.curves.busy:  # aborted: the step that waited on it is dropped
+                self._after_curve = None
         if self.explorer is not None and self.triggers is not None:
             self.explorer.step(now)
             run = self.life.engine.run
@@ -629,18 +575,6 @@ class Tuner:
         if self.trial is not None:
             self.trial.experiment.step(now)
             self._let_go()
-
-    def _probe_for_baseline(self, why: str) -> None:
-        """The probe's figures join the baseline (the 30 % rule works from them where live load is not
-        comparable)."""
-        if self.prober is None or not self.config.probe.enabled:
-            return
-
-        def done(result: ProbeResult | None, _why: str | None) -> None:
-            if result is not None and not result.errors:
-                self.memory.set_baseline(result.signals(), f"probe: {why}", merge=True)
-
-        self.prober.request(f"baseline: {why}", done)
 
     # -- what became of the change (ChangeEvent, from the loop's queue) -----------------------------
 
@@ -658,36 +592,3 @@ class Tuner:
         """A trial that is over is let go: the rules are evaluated again."""
         if self.trial is not None and self.trial.over:
             self.trial = None
-
-    def _first_probe_baseline(self) -> None:
-        """The first start's probe baseline, when live traffic is no busier than the periodic probe
-        allows (`probe.skip_when_running_above`): a probe competing with a heavy load measures its
-        share of the engine, not the engine (journaled once; asked again at the next evaluation)."""
-        if self.prober is None or not self.config.probe.enabled:
-            return
-        busy = self.live.get("requests.running")
-        threshold = self.config.probe.skip_when_running_above
-        if busy is not None and busy > threshold:
-            if not self._baseline_waits:
-                self._baseline_waits = True
-                self.rec.record(
-                    "probe.skipped",
-                    trigger="baseline: the first start",
-                    reason=f"{busy:g} requests running (probe.skip_when_running_above {threshold:g}): "
-                    "the baseline probe waits for live traffic to ease",
-                )
-            return
-        self._baseline_probed = True
-        self._probe_for_baseline("the first start")
-
-    def _maybe_record_baseline(self, now: float) -> None:
-        """The first baseline: the probe's at once (it needs no live load), the live window's once
-        requests are served (an idle engine has no live figures worth comparing with)."""
-        baseline = self.memory.baseline
-        if "probe.throughput" not in baseline and not self._baseline_probed:
-            self._first_probe_baseline()
-        if "throughput.generation" in baseline:
-            return
-        if not self.live.get("requests.completed_rate"):  # settled: the live window is this run's
-            return
-        self.memory.set_baseline(self._rule_values(now), "first window of serving", merge=True)
