@@ -11,12 +11,11 @@ and the API server, the door and the clients' threads fall behind and deliver wh
 The target is set from this box, in this run: the clients' TPOT p90 with the cap pinned at 2, and their
 TPOT p50 with no cap (vLLM runs up to max_num_seqs 24 at once) — the target is their geometric mean, so the
 uncapped loop misses it on most requests and a small cap meets it on more than eight in ten. The box's
-speed moves under the story (the other xdist worker starts and compiles vLLMs beside it): CI-like runs
-measured TPOT p90 33–47 ms at cap 2 and p50 98–104 ms with 16 at once, and once a target ~1.5× too high
-(calibrated while the box was busy: the uncapped loop met it later, and the cap went back to 16). The
-geometric mean leaves the same factor of margin on both sides (√(high/low): ~1.7 at 16 at once, ~2 at
-24), and 24 at once widens the gap it is taken from. A box where a batch of 24 decodes no slower than a
-batch of 2 cannot show this, and the test says so.
+speed moves under the story (the other xdist worker starts vLLMs beside it): calibrated inside such a
+minute, a target was ~1.7× too lax and the cap the story then read was no cap at all. So the pair is
+measured twice and the quieter of each counts, and the geometric mean leaves the same factor of margin on
+both sides (√(high/low): ~2 here, 32 and 126 ms on a quiet box). A box where a batch of 24 decodes no
+slower than a batch of 2 cannot show this, and the test says so.
 
 Then the concurrency curve through the cap (`tunerd door --curve`): the steered cap and no cap's equal,
 30 s a point on the same start, scored by goodput: the steered cap wins (no cap misses the target), and the
@@ -25,7 +24,7 @@ cap is steered again after — no restart.
 Agreement (stated): over the same requests (a load started and stopped between two reads of
 tunerd_slo_requests_total and tunerd_slo_good_requests_total, read once they have counted every request
 the clients finished), tunerd's attainment is within 0.10 of the clients'. The door stamps a request's
-first and last bytes, the clients their reads of them (16 threads of one process on a busy box): a
+first and last bytes, the clients their reads of them (24 threads of one process on a busy box): a
 request within a few per cent of the target can land on either side. Seen in CI: 94.0 % (clients) and
 99.4 % (tunerd); 100.0 % and 100.0 %.
 """
@@ -152,12 +151,19 @@ def run_the_story(
     figures: Callable[[str], None],
 ) -> None:
     url = f"http://127.0.0.1:{daemon.sections['door']['port']}"
-    # 1. This box's curve, on the clients' clock: a small cap, then none.
-    pin(daemon, "2")
-    small = Run(daemon, url, model, seed=11).until(50, 300, "50 answers at cap 2")
-    pin(daemon, "none")
-    uncapped = Run(daemon, url, model, seed=12).until(100, 300, "100 answers with no cap")
-    low, high = q(small.tpots, 0.9), statistics.median(uncapped.tpots)
+    # 1. This box's curve, on the clients' clock: a small cap, then none, twice. The quieter round of each
+    # counts (the smaller TPOT): a vLLM start on the other worker slows every process on the box for a
+    # minute, and a target calibrated inside it was ~1.7× too lax (CI: 111 ms where a quiet box gives
+    # 64) — the configuration the clients then measured missing it, tunerd measured meeting it.
+    smalls, uncappeds = [], []
+    for seed in (11, 21):
+        pin(daemon, "2")
+        smalls.append(Run(daemon, url, model, seed=seed).until(25, 300, "25 answers at cap 2"))
+        pin(daemon, "none")
+        uncappeds.append(Run(daemon, url, model, seed=seed + 1).until(50, 300, "50 answers with no cap"))
+    low = min(q(run.tpots, 0.9) for run in smalls)
+    uncapped = min(uncappeds, key=lambda run: statistics.median(run.tpots))
+    high = statistics.median(uncapped.tpots)
     assert high > 1.5 * low, (
         f"no batch effect to steer on this box: TPOT p90 {low * 1e3:.2f} ms at cap 2, "
         f"p50 {high * 1e3:.2f} ms with none"
@@ -180,14 +186,24 @@ def run_the_story(
     assert steer.returncode == 0, steer.stderr
     steering = Run(daemon, url, model, seed=13)
     steering.load.start()
+    found: dict[str, Any] = {}
+
+    def feasible() -> bool:
+        # Once the status window (observe.window_s, the document rebuilt every 0.5 s) holds only steered
+        # requests: the calibration's last ones, judged again by the new target, read feasible before the
+        # cap had moved (CI: "cap 24 when feasible").
+        if time.monotonic() - steering.started <= original["observe"]["window_s"] + 1:
+            return False
+        status = daemon.status()
+        found["cap"] = ((status.get("door") or {}).get("limit") or {}).get("limit")
+        return status["objective"].get("feasible") is True
+
     try:
-        wait_until(
-            lambda: daemon.status()["objective"].get("feasible") is True, 600, "a feasible configuration"
-        )
+        wait_until(feasible, 600, "a feasible configuration")
     finally:
         steering.load.stop(60)
     reached_s = time.monotonic() - steering.started
-    cap = daemon.metric("tunerd_door_max_in_flight")
+    cap = found["cap"]
 
     # 3. The same requests on both clocks.
     measured = Run(daemon, url, model, seed=14).until(150, 600, "150 answers under the steered cap")
