@@ -155,6 +155,23 @@ def test_out_of_reach_it_goes_back_to_the_cap_that_served_best_and_holds_it() ->
     assert min(caps) < 16 and caps[-1] == 16
 
 
+def test_out_of_reach_it_holds_what_served_best_under_a_backlog_not_what_an_empty_queue_served() -> None:
+    # The H200's open loop (docs/gpu.md, the fourth lease): in its first seconds the uncapped configuration
+    # answered from an empty queue, just short of the targets; minutes later, with requests queued in the
+    # door, every cap missed upstream, and the hold went back to the uncapped one's score.
+    clock = FakeClock()
+    limiter = steered(clock, Targets(tpot_s=0.020), low=3, high=16)
+    for tpot in [0.012] * 18 + [0.05] * 2:  # 16 from an empty queue: 90 % of 20 answers meet
+        limiter.record(sample(clock() + 0.01, tpot=tpot))
+    clock.advance(limiter.interval_s)
+    limiter.step(clock(), 0)
+    assert limiter.limit == 12  # missed upstream: a smaller batch
+    caps = run(limiter, ServingLoop(32, linear(0.04, 0.001)), clock, 30)  # now a backlog: all miss
+    assert min(caps) == 3
+    assert caps[-1] == 12 and set(caps[-5:]) == {12}, caps  # the most answers under a backlog, not 16
+    assert "back to the cap that served best, 12" in limiter.state().last_why
+
+
 def test_a_held_cap_lets_go_when_the_targets_come_within_reach() -> None:
     clock = FakeClock()
     limiter = steered(clock, Targets(tpot_s=0.020), low=3, high=16)

@@ -47,10 +47,11 @@ vLLM's TTFT p95 from 2.08 s to 0.018 s while the clients' TTFT p95 rose from 1.1
 - **Out of reach, it holds what served best.** When the targets are missed upstream even where no down
   step is left, a smaller batch bought nothing on the way down: the controller goes back to the cap that
   served the most good requests a second (on a tie, the most answers a second) among those it judged in
-  the last `SCORES_KEPT` memories, and holds it for `HOLD_MEMORIES` memories unless the targets are met
-  or the door's wait is what misses. Without this it stayed at the floor, where every request missed
-  anyway and a tenth of the answers came (the goodput proof's CPU run: the cap at 3 of 16, 0 % in every
-  window, throughput and the clients' TTFT collapsed).
+  the last `SCORES_KEPT` memories with the door as it is now (a backlog waiting, or none), and holds it
+  for `HOLD_MEMORIES` memories unless the targets are met or the door's wait is what misses. Without
+  this it stayed at the floor, where every request missed anyway and a tenth of the answers came (the
+  goodput proof's CPU run: the cap at 3 of 16, 0 % in every window, throughput and the clients' TTFT
+  collapsed).
 
 Failed requests (5xx, cuts) are not the cap's doing and are left out of its judgment.
 """
@@ -253,8 +254,8 @@ class Goodput:
     _too_low: tuple[int, float] | None = field(default=None, init=False)
     _good: tuple[int, float] | None = field(default=None, init=False)
     _ups: int = field(default=0, init=False)  # up steps in a row: the next one is 2**_ups
-    # cap → (good requests/s, answers/s, judged at): what each cap served, to go back to the best
-    _scores: dict[int, tuple[float, float, float]] = field(default_factory=dict, init=False)
+    # cap → (good requests/s, answers/s, judged at, a backlog in the door then): what each cap served
+    _scores: dict[int, tuple[float, float, float, bool]] = field(default_factory=dict, init=False)
     _hold: tuple[int, float] | None = field(default=None, init=False)  # (cap, since): out of reach
     _state: LimitState = field(init=False)
 
@@ -344,7 +345,7 @@ class Goodput:
         attained = j.attainment[0]
         assert attained is not None
         cap = self._limit
-        self._scores[cap] = (j.good / elapsed, j.n / elapsed, now)
+        self._scores[cap] = (j.good / elapsed, j.n / elapsed, now, queued > 0)
         if attained >= self.attainment:
             self._hold = None
             self._good = (cap, now) if self._good is None or self._good[0] <= cap else self._good
@@ -375,7 +376,7 @@ class Goodput:
             new = self._down(cap)
             if new == cap and (best := self._best_served(cap)) is not None:
                 self._hold = (best, now)
-                good, answers, _ = self._scores[best]
+                good, answers, _, _ = self._scores[best]
                 why = (
                     f"{missed} with no smaller batch left to try: the targets are out of the cap's reach; "
                     f"back to the cap that served best, {best} ({good:.2f} good/s, {answers:.2f} answers/s)"
@@ -404,11 +405,17 @@ class Goodput:
         return max(cap, min(top, new))
 
     def _best_served(self, cap: int) -> int | None:
-        """The judged cap that served strictly more than `cap` (good/s, then answers/s), or None."""
+        """The judged cap that served strictly more than `cap` (good/s, then answers/s) with the door as
+        `cap` was judged — both with a backlog waiting in the door, or both without — or None. What a cap
+        served from an empty queue is not what it serves under a backlog: on the H200's open loop the
+        uncapped configuration's first seconds (7.6 good/s, nothing queued) outranked every cap judged
+        minutes later with ~100 requests queued, and the hold went back to vLLM's defaults, to
+        preemption and a restart trial (docs/gpu.md, the fourth lease)."""
         mine = self._scores.get(cap)
         if mine is None:
             return None
-        best = max(self._scores, key=lambda c: self._scores[c][:2])
+        alike = [c for c, score in self._scores.items() if score[3] == mine[3]]
+        best = max(alike, key=lambda c: self._scores[c][:2])
         return best if self._scores[best][:2] > mine[:2] else None
 
     def _down(self, cap: int) -> int:
