@@ -53,7 +53,9 @@ vLLM's TTFT p95 from 2.08 s to 0.018 s while the clients' TTFT p95 rose from 1.1
   goodput proof's CPU run: the cap at 3 of 16, 0 % in every window, throughput and the clients' TTFT
   collapsed).
 
-Failed requests (5xx, cuts) are not the cap's doing and are left out of its judgment.
+Failed requests (5xx, cuts) are not the cap's doing and are left out of its judgment. Over 400 lines: the
+rules above are one controller's, and its memory (what missed, what met, what each cap served) is read by
+all of them.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ an error mid-stream as `data: {"error": {…}}`, and always `data: [DONE]` last.
 `stream_options.continuous_usage_stats` each token event carries the usage so far (its
 `completion_tokens` counts the tokens sent up to and with it); with `--enable-per-request-metrics` the
 usage event carries the request's own `metrics` (`mean_itl_ms`, vllm/entrypoints/generate/base/serving.py).
+Over 400 lines: the probe's requests and the parser of vLLM's stream they are read with belong together.
 """
 
 from __future__ import annotations

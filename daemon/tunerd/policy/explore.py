@@ -71,7 +71,9 @@ only feasibility is its latency limits (docs/objective.md); a rule's trial judge
 
 `Search` is a value: `next_point()` says what to restart to, `again` whether the point in force wants one
 more probe first, `record()` folds one measurement in and returns the new search. The caller
-(tune/explorer.py) turns each point into a trial and each probe into a `record`.
+(tune/explorer.py) turns each point into a trial and each probe into a `record`. Over 400 lines: the
+search is one value whose stages, confirmations and noise-derived tolerance read together, with the ladders
+and scoring it is built from beside it.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ Kept (the parameters become
 last-known-good and the new baseline) or reverted (the value goes tabu; a rule that keeps losing is
 muted). It tells
 its story in the journal: `trial.refused`, `trial.started`, `trial.extended`, `trial.decided`,
-`trial.ended`, `trial.aborted`.
+`trial.ended`, `trial.aborted`. Over 400 lines: one trial's judge — its windows, their extensions, the
+starts a side and what a verdict does — is one story, read in the order it happens.
 """
 
 from __future__ import annotations
