@@ -214,6 +214,22 @@ def test_under_saturating_live_traffic_the_live_window_scores_the_points(tmp_pat
     assert all(p["live"]["seconds"] >= 0.9 * sim.rig.config.tuning.window_s for p in points)
 
 
+def test_live_traffic_is_read_after_tunerds_last_probe_not_over_it(tmp_path: Path) -> None:
+    # The window that decides what scores the points reaches back no further than the last probe before
+    # the exploration: its requests are tunerd's, not live traffic (CI: a second exploration began 7 s
+    # after the first one's baseline probe, read that probe's saturated window as "live", and re-measured
+    # a point the memory knew). Here the saturating live load is real, but the window left after the probe
+    # is too short to tell: the probe scores, as it does without a window.
+    sim = make_explorer(tmp_path, seqs=16, live=PeakAt4())
+    sim.run_for(40)  # a whole tuning window of saturated live traffic
+    assert sim.prober is not None
+    sim.prober.request("the operator", lambda result, why: None)
+    sim.tick()
+    sim.explore("max_num_seqs")
+    started = sim.rig.last("explore.started")
+    assert started["objective_source"] == "probe" and started["live"] is None
+
+
 def test_points_are_not_promoted_while_the_exploration_runs(tmp_path: Path) -> None:
     sim = make_explorer(tmp_path, warmup_s=10.0)
     before = sim.rig.lifecycle.known_good

@@ -30,6 +30,7 @@ recall and the finish read as one story of one exploration; its machine is tune/
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -77,6 +78,7 @@ class Exploration:
     baseline_probes: list[ProbeResult] = field(default_factory=list)  # the configuration in force's probes
     measure_from: float = 0.0  # where the point's measurement in progress began (a live window's start)
     probes: list[dict[str, Any]] = field(default_factory=list)  # the point's probes so far, for its record
+    quiet_from: float = -math.inf  # when tunerd's last probe before the exploration ended
 
     @property
     def since(self) -> float:
@@ -142,7 +144,15 @@ class Explorer:
             warmup_s=lambda: self.config().tuning.warmup_s,
             count_restart=self.memory.count_restart,
         )
-        self.current = Exploration(explore_id, tuple(params), reason, experiment, recall=recall)
+        last_probe = self.prober.ended_at
+        self.current = Exploration(
+            explore_id,
+            tuple(params),
+            reason,
+            experiment,
+            recall=recall,
+            quiet_from=-math.inf if last_probe is None else last_probe,
+        )
         experiment.enter(Phase.BASELINE, self.monotonic())
         self.life.slot.hold(owner)
         self.prober.request(f"exploration {explore_id}: the configuration in force", self._baseline)
@@ -162,10 +172,12 @@ class Explorer:
         else:
             ex.baseline_probes.append(result)
         result = ex.baseline_probes[-1]
-        # Live traffic's window is the one before the baseline probe began: the probe's own requests
-        # saturate a small max_num_seqs (the engine tier's 4 at a time against 2 made an idle engine look
-        # saturated, and each point then scored its mostly idle window: 0 tok/s).
-        live = self.window(ex.since - self.config().tuning.window_s, ex.since)
+        # Live traffic's window is the one before the baseline probe began, and after any probe before it:
+        # the probe's own requests saturate a small max_num_seqs (the engine tier's 4 at a time against 2
+        # made an idle engine look saturated, and each point then scored its mostly idle window: 0 tok/s;
+        # in CI a second exploration started 7 s after the first one's baseline probe, and re-measured a
+        # point the memory knew, scored on that probe's window as "live").
+        live = self.window(max(ex.since - self.config().tuning.window_s, ex.quiet_from), ex.since)
         ex.source, ex.live, goal = objective_source(live), live, self.goal()
         feasible, excess = self._probe_score(result)
         objective, _ = scored(goal, ex.source, feasible, live)
