@@ -80,8 +80,9 @@ def counted(daemon: Daemon) -> tuple[float, float]:
     )
 
 
-def door_limit(daemon: Daemon) -> dict[str, Any]:
-    return (daemon.status().get("door") or {}).get("limit") or {}
+def door_limit(status: dict[str, Any]) -> dict[str, Any]:
+    """The door's steered cap in a status document (`tunerd status`'s `door.limit`; {} when none)."""
+    return (status.get("door") or {}).get("limit") or {}
 
 
 def q(values: list[float], share: float) -> float:
@@ -198,7 +199,7 @@ def run_the_story(
         if time.monotonic() - steering.started <= original["observe"]["window_s"] + 1:
             return False
         status = daemon.status()
-        found["cap"] = ((status.get("door") or {}).get("limit") or {}).get("limit")
+        found["cap"] = door_limit(status).get("limit")
         return status["objective"].get("feasible") is True
 
     try:
@@ -235,7 +236,7 @@ def run_the_story(
     # equal (max_num_seqs), measured in seconds per point on the same start, then the cap steered again.
     # The cap the controller holds now (it moved on since it was first feasible: CI's AVX2 box went from
     # 12 to 5), measured for 30 s a point: 15 s held too few fresh answers there (0 good/s at both points).
-    cap = min(door_limit(daemon).get("limit") or cap, CLIENTS - 1)
+    cap = min(door_limit(daemon.status()).get("limit") or cap, CLIENTS - 1)
     curve = Run(daemon, url, model, seed=15)
     curve.load.start()
     try:
@@ -252,7 +253,7 @@ def run_the_story(
     assert done["objective_name"] == "slo.goodput", done
     assert at_cap["objective"] > at_all["objective"] and at_all["attainment"] < ATTAINMENT, done
     assert done["best"] == cap, done
-    wait_until(lambda: door_limit(daemon).get("mode") == "steered", 30, "the cap steered again")
+    wait_until(lambda: door_limit(daemon.status()).get("mode") == "steered", 30, "the cap steered again")
     assert daemon.status()["engine"]["pid"] == first["engine"]["pid"]  # still no restart
     figures(
         f"goodput on the small model, {CLIENTS} streaming clients, TPOT target {target * 1e3:.2f} ms "
