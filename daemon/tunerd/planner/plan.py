@@ -5,6 +5,10 @@ parameter set fit, and by how much" with a `PlanVerdict`, without starting vLLM.
 `kv_math` (the KV arithmetic, mirroring vLLM 0.32 line by line), `memory_budget` (how much memory vLLM
 would hand to the KV cache) and, once one start has been seen, a `Calibration` of the non-KV memory
 (`calibration`). Rendering: `plan_report`; operator checks: `preflight_checks`.
+
+Just over 400 lines: the verdict, its figures and its suggestion (the largest setting that fits) are one
+judgment read by `tunerd plan`, the preflight and the supervisor alike; the arithmetic and the budget it
+combines already live in their own modules.
 """
 
 from __future__ import annotations

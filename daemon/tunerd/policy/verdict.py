@@ -64,6 +64,10 @@ A_after − A_before (core/stats.proportion_difference), G = per-poll goodput, t
 `Verdict.evidence` says which ("better", "worse", "no difference", "no difference (budget spent)"),
 and `Verdict.figures` carries the interval, the samples (n and effective n each side), each window's
 relative noise and the minimum detectable effect the two windows implied (what `trial.decided` journals).
+
+Just over 400 lines: the rules above are one decision, and its order (like with like, limits, safety,
+then the objective's evidence) is what makes a keep safe; the interval arithmetic is core/stats.py's,
+the evidence over several starts policy/weigh.py's and the latency limits policy/latency_limits.py's.
 """
 
 from __future__ import annotations
