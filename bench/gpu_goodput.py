@@ -2,7 +2,8 @@
 """Goodput under latency targets on the H200 (issue 23, docs/gpu.md "Goodput under latency targets").
 
     python3 bench/gpu_goodput.py caps   --out DIR [--result FILE] [--budget-s 500] [--smoke]
-    python3 bench/gpu_goodput.py tunerd --workload open|open10|closed --out DIR [--result FILE] [--budget-s N]
+    python3 bench/gpu_goodput.py tunerd --workload open|open10|open8|closed --out DIR [--result FILE]
+                                        [--budget-s N]
     python3 bench/gpu_goodput.py caps --workloads closed --caps closed=16,14 --window-s 40 ...  (a recheck)
 
 Run on the H200 machine with vLLM 0.24.0 from ../shared/tools/gpu-vllm, its `device.sh env` sourced (and
@@ -85,10 +86,18 @@ WORKLOADS = {
     # (512 × 1.97 ms)), below the 12 offered, so every cap queued at the door. 10 req/s is under both: a
     # rate a static cap of ~12–16 should serve within TTFT ≤ 3 s and TPOT ≤ 3 ms.
     "open10": Workload("open10", "open", ttft_s=3.0, tpot_s=TPOT_S, rate_per_s=10.0, **_SHAPE),
+    # open8 (added 2026-12-05, before its device run): "open" at 8 req/s, same shape, targets and seed.
+    # At 10 req/s no static cap kept up on its start (docs/gpu.md, the fourth lease): cap 16 answered
+    # 9.6/s of 10 offered at TPOT p50 3.23 ms without preemption, cap 12 8.6/s, so the door's queue grew
+    # and TTFT missed; the defaults kept up (10.4/s) but preempted 4.3/s (TPOT p50 3.12 ms, 39.9 %). 8 req/s
+    # is under what caps 16 and 12 answered there (9.6, 8.6/s): a rate a static cap should serve with its
+    # queue short, where the defaults may still run enough at once to preempt (not established: at 8 req/s
+    # fewer run at once, so the defaults may meet the targets too; the cap off is measured first).
+    "open8": Workload("open8", "open", ttft_s=3.0, tpot_s=TPOT_S, rate_per_s=8.0, **_SHAPE),
 }
 # What one command's ~6 minutes of load hold after vLLM's first start (~2 min): the caps around the
 # expected best, highest first (a closed loop needs no drain between them; each open point starts afresh).
-CAPS = {"closed": (20, 16, 14, 12), "open": (24, 20, 18, 16), "open10": (16, 12)}
+CAPS = {"closed": (20, 16, 14, 12), "open": (24, 20, 18, 16), "open10": (16, 12), "open8": (20, 16, 12)}
 ATTAINMENT = 0.95  # [objective] attainment's default: feasible at or above it
 ROLLING_STEP_S = 5.0
 SEED = 11
@@ -115,8 +124,9 @@ SMOKE_WORKLOADS = {
     "closed": Workload("closed", "closed", ttft_s=0.5, tpot_s=0.003, clients=8, **SMOKE_SHAPE),
     "open": Workload("open", "open", ttft_s=0.5, tpot_s=0.01, rate_per_s=8.0, **SMOKE_SHAPE),
     "open10": Workload("open10", "open", ttft_s=0.5, tpot_s=0.01, rate_per_s=6.0, **SMOKE_SHAPE),
+    "open8": Workload("open8", "open", ttft_s=0.5, tpot_s=0.01, rate_per_s=5.0, **SMOKE_SHAPE),
 }
-SMOKE_CAPS = {"closed": (4, 1), "open": (4, 1), "open10": (4, 2)}
+SMOKE_CAPS = {"closed": (4, 1), "open": (4, 1), "open10": (4, 2), "open8": (4, 3, 2)}
 
 
 def say(text: str) -> None:
