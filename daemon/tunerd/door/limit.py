@@ -47,8 +47,10 @@ vLLM's TTFT p95 from 2.08 s to 0.018 s while the clients' TTFT p95 rose from 1.1
 - **Out of reach, it holds what served best.** When the targets are missed upstream even where no down
   step is left, a smaller batch bought nothing on the way down: the controller goes back to the cap that
   served the most good requests a second (on a tie, the most answers a second) among those it judged in
-  the last `SCORES_KEPT` memories with the door as it is now (a backlog waiting, or none), and holds it
-  for `HOLD_MEMORIES` memories unless the targets are met or the door's wait is what misses. Without
+  the last `SCORES_KEPT` memories with the door as it is now (a backlog waiting, or none) — under a
+  backlog, only among the caps that answered within `DRAINS_ALIKE` of the most answers a second, since
+  only answers drain it — and holds it for `HOLD_MEMORIES` memories unless the targets are met or the
+  door's wait is what misses. Without
   this it stayed at the floor, where every request missed anyway and a tenth of the answers came (the
   goodput proof's CPU run: the cap at 3 of 16, 0 % in every window, throughput and the clients' TTFT
   collapsed).
@@ -77,6 +79,9 @@ WAITED_S = 0.001
 # `min_samples`), and a hold re-checks the floor no more than every few minutes.
 SCORES_KEPT = 10
 HOLD_MEMORIES = 5
+# Under a backlog a cap answering within this share of the most answers a second drains about as fast:
+# one interval's answer rate, from 10 or more answers, is not known closer than that.
+DRAINS_ALIKE = 0.9
 
 
 @dataclass(frozen=True, slots=True)
@@ -407,8 +412,9 @@ class Goodput:
         return max(cap, min(top, new))
 
     def _best_served(self, cap: int) -> int | None:
-        """The judged cap that served strictly more than `cap` (good/s, then answers/s) with the door as
-        `cap` was judged — both with a backlog waiting in the door, or both without — or None. What a cap
+        """The judged cap that served strictly more than `cap` (good/s, then answers/s; under a backlog among
+        the caps that answered within `DRAINS_ALIKE` of the most) with the door as `cap` was judged — both
+        with a backlog waiting in the door, or both without — or None. What a cap
         served from an empty queue is not what it serves under a backlog: on the H200's open loop the
         uncapped configuration's first seconds (7.6 good/s, nothing queued) outranked every cap judged
         minutes later with ~100 requests queued, and the hold went back to vLLM's defaults, to
@@ -416,9 +422,18 @@ class Goodput:
         mine = self._scores.get(cap)
         if mine is None:
             return None
-        alike = [c for c, score in self._scores.items() if score[3] == mine[3]]
-        best = max(alike, key=lambda c: self._scores[c][:2])
-        return best if self._scores[best][:2] > mine[:2] else None
+        alike = {c: score for c, score in self._scores.items() if score[3] == mine[3]}
+        if mine[3]:
+            # Under a backlog only answers drain it: a cap that answers fewer leaves more waiting, and every
+            # waiting request's TTFT grows. On the H200's open loop at 8 req/s the holds went to caps 12,
+            # 11 and 9 by their good/s (6.20, 3.20 and 5.00), which answered 6.20, 5.20 and 5.40/s with 8
+            # arriving: the queue reached 121 and TTFT p50 10.8 s (docs/gpu.md, the fifth lease).
+            most = max(score[1] for score in alike.values())
+            alike = {c: score for c, score in alike.items() if score[1] >= DRAINS_ALIKE * most}
+        best = max(alike, key=lambda c: alike[c][:2])
+        if best == cap or (cap in alike and alike[best][:2] <= mine[:2]):
+            return None
+        return best
 
     def _down(self, cap: int) -> int:
         bottom = self.low
