@@ -352,3 +352,39 @@ def test_out_of_reach_under_a_backlog_it_holds_a_cap_that_drains_it_not_the_smal
     assert min(caps) == 3  # it walked down to learn it
     assert caps[-1] == 12 and set(caps[-10:]) == {12}, caps
     assert "back to the cap that served best, 12" in limiter.state().last_why
+
+
+def test_a_down_step_from_a_cap_above_the_concurrency_starts_from_what_was_in_flight() -> None:
+    # The goodput proof's open loop (CPU): vLLM's default max_num_seqs of 128 as the cap, ~10 in flight;
+    # ×0.75 from 128 took five intervals of ~30 s to reach the concurrency at all.
+    clock = FakeClock()
+    limiter = steered(clock, Targets(tpot_s=0.020), low=1, high=128)
+    for _ in range(10):
+        limiter.record(sample(clock() + 0.01, tpot=0.05))
+    for in_flight in (9, 12, 10):  # the door's ticks: the most in flight counts
+        clock.advance(2.0)  # the third tick is past the 5 s interval
+        limiter.step(clock(), 0, in_flight)
+    assert limiter.limit == 9  # ×0.75 of the 12 in flight, not 96
+    for _ in range(10):
+        limiter.record(sample(clock() + 0.01, tpot=0.05))
+    clock.advance(limiter.interval_s)
+    limiter.step(clock(), 3, 9)
+    assert limiter.limit == 6  # bound now: from the cap
+
+
+def test_with_requests_in_flight_and_no_answer_yet_it_is_not_idle_and_still_steering() -> None:
+    # Answers of several seconds leave an interval after a move without a fresh one. Read as "idle", the
+    # cap stopped "steering" and a rule's restart went through while it was still walking down.
+    clock = FakeClock()
+    limiter = steered(clock, Targets(tpot_s=0.020), low=1, high=32)
+    for _ in range(10):
+        limiter.record(sample(clock() + 0.01, tpot=0.05))
+    clock.advance(limiter.interval_s)
+    limiter.step(clock(), 0, 20)
+    assert limiter.limit < 32 and limiter.state().steering
+    clock.advance(limiter.interval_s)
+    limiter.step(clock(), 0, 12)  # no answer since the move, 12 in flight
+    assert limiter.state().verdict == "upstream" and limiter.state().steering
+    clock.advance(limiter.interval_s)
+    limiter.step(clock(), 0, 0)  # nothing in flight, nothing waiting, no answer: idle
+    assert limiter.state().verdict == "idle" and not limiter.state().steering

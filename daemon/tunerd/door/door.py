@@ -303,7 +303,9 @@ class Door:
         """The controller's step (it keeps its own interval), applied to the gate; `door.limit` posted
         at most once per LIMIT_LOG_S. Not while vLLM does not serve: nothing then measures the cap."""
         gate = self._gate
-        change = self._limiter.step(now, gate.snapshot.queued) if gate.state == "serving" else None
+        snapshot = gate.snapshot
+        serving = gate.state == "serving"
+        change = self._limiter.step(now, snapshot.queued, snapshot.in_flight) if serving else None
         if change is not None:
             self._apply_limit(change.new, "steered")
             record = self._limit_log.add(change)

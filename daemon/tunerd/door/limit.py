@@ -26,8 +26,12 @@ vLLM's TTFT p95 from 2.08 s to 0.018 s while the clients' TTFT p95 rose from 1.1
 - **The step** (every `interval_s`, from the fresh samples since the last step; with fewer than
   `min_samples` it waits and keeps collecting): attainment ≥ target → *met*: step up when requests wait
   in the door (the cap holds demand back), else hold. Missing, most misses upstream → step down
-  (×`decrease`, at least 1, never below `low`). Missing, most misses the door's wait → step up (never
-  down: that would only move the wait).
+  (×`decrease`, at least 1, never below `low`) — from the most requests that were in flight in the
+  interval when that was below the cap: a cap above the concurrency binds nothing, and walking down
+  from vLLM's default of 128 to the 10 or so in flight took the goodput proof's CPU run five
+  intervals of ~30 s each. Missing, most misses the door's wait → step up (never down: that would
+  only move the wait). No fresh answer, nothing waiting and nothing in flight: *idle* (an idle
+  server is not failing); with requests in flight it is only too early to judge.
 - **Up steps search, they do not saw.** The controller remembers the smallest cap seen missing upstream
   (`too_high`) and the largest seen missing by the door's wait (`too_low`) for `memory_s`; an up step
   goes halfway to `too_high`, or, while none is known, by 1, 2, 4, … (up steps in a row: a probe one
@@ -142,7 +146,7 @@ class Limiter(Protocol):
 
     def record(self, sample: RequestSample) -> None: ...
 
-    def step(self, now: float, queued: int) -> LimitChange | None: ...
+    def step(self, now: float, queued: int, in_flight: int = 0) -> LimitChange | None: ...
 
     def reset(self, now: float) -> None: ...
 
@@ -164,8 +168,8 @@ class Static:
     def record(self, sample: RequestSample) -> None:
         del sample
 
-    def step(self, now: float, queued: int) -> LimitChange | None:
-        del now, queued
+    def step(self, now: float, queued: int, in_flight: int = 0) -> LimitChange | None:
+        del now, queued, in_flight
         return None
 
     def reset(self, now: float) -> None:
@@ -261,6 +265,7 @@ class Goodput:
     _too_low: tuple[int, float] | None = field(default=None, init=False)
     _good: tuple[int, float] | None = field(default=None, init=False)
     _ups: int = field(default=0, init=False)  # up steps in a row: the next one is 2**_ups
+    _peak: int = field(default=0, init=False)  # the most requests in flight seen in this interval
     # cap → (good requests/s, answers/s, judged at, a backlog in the door then): what each cap served
     _scores: dict[int, tuple[float, float, float, bool]] = field(default_factory=dict, init=False)
     _hold: tuple[int, float] | None = field(default=None, init=False)  # (cap, since): out of reach
@@ -330,10 +335,12 @@ class Goodput:
 
     # -- the step -----------------------------------------------------------------------------------
 
-    def step(self, now: float, queued: int) -> LimitChange | None:
+    def step(self, now: float, queued: int, in_flight: int = 0) -> LimitChange | None:
         """At most once per `interval_s`: judge the fresh samples and move the cap (or not). `queued`:
-        requests waiting in the door now."""
+        requests waiting in the door now; `in_flight`: forwarded and not yet answered (0: none, or not
+        known — then every down step is from the cap). Called often: each call's `in_flight` counts."""
         self.now = now
+        self._peak = max(self._peak, in_flight)
         if now - self._interval_start < self.interval_s:
             self._state = replace(self._state, samples=len(self._fresh), stale=self._stale)
             return None
@@ -343,8 +350,12 @@ class Goodput:
         if j.n < self.min_samples:
             self._fresh = samples  # keep collecting: a verdict on a handful of requests is noise
             self._state = replace(self._state, samples=len(samples), stale=self._stale)
-            if j.n == 0 and queued == 0:
-                self._publish(j, "idle", False)  # nothing to judge: an idle server is not failing
+            if j.n == 0 and queued == 0 and in_flight == 0:
+                # Nothing to judge: an idle server is not failing. With requests in flight it is only too
+                # early — answers of several seconds leave intervals without one after a move — and an
+                # "idle" there read as "not steering" let a rule's restart through while the cap was
+                # still walking down (the goodput proof's open loop, CPU).
+                self._publish(j, "idle", False)
             return None
         elapsed = max(now - self._interval_start, 1e-9)
         self._interval_start = now
@@ -352,6 +363,7 @@ class Goodput:
         attained = j.attainment[0]
         assert attained is not None
         cap = self._limit
+        peak, self._peak = self._peak, in_flight
         self._scores[cap] = (j.good / elapsed, j.n / elapsed, now, queued > 0)
         if attained >= self.attainment:
             self._hold = None
@@ -380,7 +392,7 @@ class Goodput:
             if self._hold is not None and self._hold[0] == cap:
                 self._publish(j, "upstream", True)
                 return None  # out of reach: held where it served best
-            new = self._down(cap)
+            new = self._down(cap, peak)
             if new == cap and (best := self._best_served(cap)) is not None:
                 self._hold = (best, now)
                 good, answers, _, _ = self._scores[best]
@@ -435,13 +447,17 @@ class Goodput:
             return None
         return best
 
-    def _down(self, cap: int) -> int:
+    def _down(self, cap: int, peak: int = 0) -> int:
+        """The next cap down: ×`decrease` of the cap, or of `peak` (the most in flight in the interval)
+        when that was below it; never below `low`, the largest cap that missed by the door's wait, or
+        the largest seen meeting the targets."""
         bottom = self.low
         if self._too_low is not None:
             bottom = max(bottom, self._too_low[0] + 1)
         if self._good is not None and self._good[0] < cap:
             bottom = max(bottom, self._good[0])
-        new = min(cap - 1, math.floor(cap * self.decrease))
+        binding = cap if peak <= 0 else min(cap, peak)
+        new = min(cap - 1, math.floor(binding * self.decrease))
         return min(cap, max(bottom, new))
 
     def _forget_curve(self) -> None:
