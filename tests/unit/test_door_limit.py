@@ -388,3 +388,20 @@ def test_with_requests_in_flight_and_no_answer_yet_it_is_not_idle_and_still_stee
     clock.advance(limiter.interval_s)
     limiter.step(clock(), 0, 0)  # nothing in flight, nothing waiting, no answer: idle
     assert limiter.state().verdict == "idle" and not limiter.state().steering
+
+
+def test_what_missed_upstream_is_remembered_as_the_concurrency_that_ran_not_a_cap_above_it() -> None:
+    # The goodput proof's CPU open loop: 128 remembered as too high with ~8 in flight, one interval later
+    # a miss by the door's wait stepped halfway to it, to 67, and let in a backlog never drained again.
+    clock = FakeClock()
+    limiter = steered(clock, Targets(ttft_s=3.0, tpot_s=0.020), low=1, high=128)
+    for _ in range(10):
+        limiter.record(sample(clock() + 0.01, tpot=0.05))
+    clock.advance(limiter.interval_s)
+    limiter.step(clock(), 0, 8)
+    assert limiter.limit == 6 and limiter.state().too_high == 8
+    for _ in range(10):  # now the door's wait is what misses
+        limiter.record(sample(clock() + 0.01, wait=5.0, tpot=0.01))
+    clock.advance(limiter.interval_s)
+    limiter.step(clock(), 4, 6)
+    assert limiter.limit == 7  # halfway to the 8 that missed, not to 128

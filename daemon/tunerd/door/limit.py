@@ -33,12 +33,13 @@ vLLM's TTFT p95 from 2.08 s to 0.018 s while the clients' TTFT p95 rose from 1.1
   only move the wait). No fresh answer, nothing waiting and nothing in flight: *idle* (an idle
   server is not failing); with requests in flight it is only too early to judge.
 - **Up steps search, they do not saw.** The controller remembers the smallest cap seen missing upstream
-  (`too_high`) and the largest seen missing by the door's wait (`too_low`) for `memory_s`; an up step
-  goes halfway to `too_high`, or, while none is known, by 1, 2, 4, … (up steps in a row: a probe one
-  above first, then faster); a down step goes no lower than the largest cap seen meeting the targets.
-  Under a fixed latency curve it settles on the largest cap that meets them (one below `too_high`)
-  instead of the sawtooth of plain AIMD; when the memory ages out it tries one above again, so a
-  lighter load is found (at the cost of one interval above the knee every `memory_s`).
+  (`too_high`; the requests in flight when fewer ran than the cap allowed) and the largest seen missing by
+  the door's wait (`too_low`) for `memory_s`; an up step goes halfway to `too_high`, or, while none is
+  known, by 1, 2, 4, … (up steps in a row: a probe one above first, then faster); a down step goes no
+  lower than the largest cap seen meeting the targets. Under a fixed latency curve it settles on the
+  largest cap that meets them (one below `too_high`) instead of the sawtooth of plain AIMD; when the
+  memory ages out it tries one above again, so a lighter load is found (at the cost of one interval above
+  the knee every `memory_s`).
 - **Stale samples are dropped**: after a change, a sample counts only when its request was forwarded at
   or after the change (its whole upstream time ran under the new cap), and, after the upstream came
   back (`reset`), only when it arrived after that (a hold across a restart is not the cap's wait).
@@ -380,8 +381,12 @@ class Goodput:
             self._publish(j, "met", False)
             return self._move(new, now, why)
         if j.misses_upstream > j.misses_door:
+            # What missed is the concurrency that ran, not a cap above it: remembered as 128 with ~8 in
+            # flight, the next up step went halfway to it, to 67, and let in a backlog the cap never
+            # drained again (the goodput proof's CPU open loop, docs/benchmarks.md).
+            ran = min(cap, peak) if peak > 0 else cap
             self._too_high = (
-                (cap, now) if self._too_high is None or cap <= self._too_high[0] else self._too_high
+                (ran, now) if self._too_high is None or ran <= self._too_high[0] else self._too_high
             )
             if self._good is not None and self._good[0] >= cap:
                 self._good = None
