@@ -156,8 +156,10 @@ def test_the_door_steers_its_cap_toward_the_targets_without_a_restart(workdir: P
         assert limit["verdict"] == "upstream" and limit["cannot_meet"], limit
         assert "misses upstream with no smaller batch left to try" in limit["last_why"], limit
         assert limit["limit"] > 2, limit  # 8 clients: a cap of 8 or more let all of them through
-        # 16 → 12 → 9 → 6 → 4 → 3 → 2 → back: seven steps, journaled at most once per 30 s after the first.
-        assert daemon.metric("tunerd_door_max_in_flight_changes_total", by="steered") == 7
+        # 16 → 6 (×0.75 of the 8 in flight: a cap of 16 binds nothing) → 4 → 3 → 2 → back: five steps, one
+        # fewer when the first interval saw fewer than 8 in flight; journaled at most once per 30 s after
+        # the first.
+        assert daemon.metric("tunerd_door_max_in_flight_changes_total", by="steered") in (4, 5)
         events = [r["event"] for r in daemon.records()]
         assert events.count("door.limit") <= 2 and "trial.started" not in events
         cap = limit["limit"]
