@@ -147,13 +147,15 @@ def test_exploration_the_tuning_memory_and_the_probe_rule_on_the_small_model(
         best = one["best"]["max_num_seqs"]
         back = 0 if points[-1]["value"] == best else 1  # a restart to the best unless it was the last point
         assert one["restarts"] == len(points) + back, daemon.dump()
+
         # The best in force, and known good once it has served (a step after the exploration's last start,
         # in a status document rebuilt every 0.5 s: CI read known_good still None).
         def settled() -> bool:
             engine = daemon.status()["engine"]
-            return engine["params"]["max_num_seqs"] == best and (engine["known_good"] or {}).get(
-                "max_num_seqs"
-            ) == best
+            return (
+                engine["params"]["max_num_seqs"] == best
+                and (engine["known_good"] or {}).get("max_num_seqs") == best
+            )
 
         wait_until(settled, 60, f"max_num_seqs {best} in force and known good")
         daemon.wait_record(
