@@ -132,10 +132,14 @@ class ServingLoop(ClosedLoop):
     """A ClosedLoop whose answers in an interval are what the batch serves in it: c requests every
     service time (fewer answers at a smaller cap, as on a real server)."""
 
-    def feed(self, limiter: Goodput, now: float, n: int = 0) -> int:
+    def answers(self, limiter: Goodput) -> int:
+        """What the batch under the cap in force answers in one interval (at least 1)."""
         c = min(limiter.limit, self.clients)
         service = self.upstream_ttft + (TOKENS - 1) * self.tpot(c)
-        return super().feed(limiter, now, max(1, round(c / service * limiter.interval_s)))
+        return max(1, round(c / service * limiter.interval_s))
+
+    def feed(self, limiter: Goodput, now: float, n: int = 0) -> int:
+        return super().feed(limiter, now, self.answers(limiter))
 
 
 def test_out_of_reach_it_goes_back_to_the_cap_that_served_best_and_holds_it() -> None:
@@ -331,10 +335,8 @@ class Backlogged(ServingLoop):
     SPREAD = tuple(0.5 + 0.15 * i for i in range(11))
 
     def feed(self, limiter: Goodput, now: float, n: int = 0) -> int:
-        c = min(limiter.limit, self.clients)
-        per_token = self.tpot(c)
-        answers = max(1, round(c / (self.upstream_ttft + (TOKENS - 1) * per_token) * limiter.interval_s))
-        for i in range(answers):
+        per_token = self.tpot(min(limiter.limit, self.clients))
+        for i in range(self.answers(limiter)):
             tpot = per_token * self.SPREAD[i % len(self.SPREAD)]
             limiter.record(sample(now + 0.01, upstream_ttft=self.upstream_ttft, tpot=tpot))
         return 50
@@ -356,7 +358,7 @@ def test_out_of_reach_under_a_backlog_it_holds_a_cap_that_drains_it_not_the_smal
 
 def test_a_down_step_from_a_cap_above_the_concurrency_starts_from_what_was_in_flight() -> None:
     # The goodput proof's open loop (CPU): vLLM's default max_num_seqs of 128 as the cap, ~10 in flight;
-    # ×0.75 from 128 took five intervals of ~30 s to reach the concurrency at all.
+    # ×0.75 from 128 took four steps of ~30 s and still stood at 40.
     clock = FakeClock()
     limiter = steered(clock, Targets(tpot_s=0.020), low=1, high=128)
     for _ in range(10):

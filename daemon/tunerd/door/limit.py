@@ -24,14 +24,14 @@ vLLM's TTFT p95 from 2.08 s to 0.018 s while the clients' TTFT p95 rose from 1.1
   and decode: a smaller batch helps). `door`: it missed only because of its wait in the door (its
   upstream TTFT alone, its e2e less the wait, were within target: a larger cap helps).
 - **The step** (every `interval_s`, from the fresh samples since the last step; with fewer than
-  `min_samples` it waits and keeps collecting): attainment ≥ target → *met*: step up when requests wait
-  in the door (the cap holds demand back), else hold. Missing, most misses upstream → step down
-  (×`decrease`, at least 1, never below `low`) — from the most requests that were in flight in the
-  interval when that was below the cap: a cap above the concurrency binds nothing, and from vLLM's
-  default of 128 the goodput proof's CPU run took four steps of ~30 s and still stood at 40 with ~10
-  in flight. Missing, most misses the door's wait → step up (never down: that would
-  only move the wait). No fresh answer, nothing waiting and nothing in flight: *idle* (an idle
-  server is not failing); with requests in flight it is only too early to judge.
+  `min_samples` it waits and keeps collecting): attainment ≥ target → *met*: step up when requests wait in
+  the door (the cap holds demand back), else hold. Missing, most misses upstream → step down (×`decrease`,
+  at least 1, never below `low`) — from the most requests that were in flight in the interval when that
+  was below the cap: a cap above the concurrency binds nothing, and from vLLM's default of 128 the goodput
+  proof's CPU run took four steps of ~30 s and still stood at 40 with ~10 in flight. Missing, most misses
+  the door's wait → step up (never down: that would only move the wait). No fresh answer, nothing waiting
+  and nothing in flight: *idle* (an idle server is not failing); with requests in flight it is only too
+  early to judge.
 - **Up steps search, they do not saw.** The controller remembers the smallest cap seen missing upstream
   (`too_high`; the requests in flight when fewer ran than the cap allowed) and the largest seen missing by
   the door's wait (`too_low`) for `memory_s`; an up step goes halfway to `too_high`, or, while none is
