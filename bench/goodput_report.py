@@ -199,7 +199,8 @@ def section(data: dict[str, Any], out: Path, link: str) -> list[str]:
 
 def plot_by_config(data: dict[str, Any], path: Path) -> None:
     """Per workload: the grid's goodput by max_num_seqs (a line per max_num_batched_tokens), the static
-    caps' goodput by cap on the same axis (concurrency), tunerd's final configuration as a star."""
+    caps' goodput by cap on the same axis (concurrency), the best cap held on a continuing load as a hollow
+    square, tunerd's final configuration as a star (at the door's cap when it bound)."""
     names = [w["name"] for w in data["workloads"]]
     fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 4), sharey=False, squeeze=False)
     for ax, name in zip(axes[0], names, strict=True):
@@ -221,10 +222,16 @@ def plot_by_config(data: dict[str, Any], path: Path) -> None:
         if "None" in caps:
             ax.axhline(caps["None"]["goodput"], color="grey", linewidth=0.8, label="no cap")
         run = data.get("tunerd", {}).get(name)
+        if held := data.get("held_cap", {}).get(name):
+            ax.plot([int(held["cap"]) if held["cap"] != "None" else 128], [held["final"]["goodput"]],
+                    marker="s", markersize=9, markerfacecolor="none", color="black", linestyle="",
+                    label=f"cap held {held['minutes']:.0f} min")  # fmt: skip
         if run and run.get("final"):
+            # Where it ended: the door's cap when it bound below max_num_seqs, else max_num_seqs.
             seqs = run["params"].get("max_num_seqs", data["vllm_defaults"]["max_num_seqs"])
-            ax.plot([seqs], [run["final"]["goodput"]], marker="*", markersize=14, color="red", linestyle="",
-                    label=f"tunerd ({run['restarts']} restarts)")  # fmt: skip
+            cap = run["caps"][-1][1] if run.get("caps") else None
+            ax.plot([min(seqs, cap or seqs)], [run["final"]["goodput"]], marker="*", markersize=14,
+                    color="red", linestyle="", label=f"tunerd ({run['restarts']} restarts)")  # fmt: skip
         ax.set_xscale("log", base=2)
         ax.set_xlabel("max_num_seqs (grid) / cap (door)")
         ax.set_title(name)
