@@ -10,9 +10,10 @@ its starts need nothing of the others. The tests below assert over the recorded 
   logs — exactly;
 - max_model_len too large (one per shape): the predicted "estimated maximum model length" equals vLLM's;
 - the `--gpu-memory-utilization` path: after one calibration start, the prediction for another utilization
-  must contain vLLM's figure in its predicted range (a repeat of the same start is the bench's). Exact agreement is
-  not asserted: vLLM sizes this KV cache as ceil(node MemTotal × util) − the worker's RSS at that moment,
-  and that RSS moves by ~1–3 MB between identical starts (measured; the error is reported as a warning).
+  must contain vLLM's figure in its predicted range (a repeat of the same start is the bench's). Exact
+  agreement is not asserted: vLLM sizes this KV cache as ceil(node MemTotal × util) − the worker's RSS at
+  that moment, and that RSS moves by ~1–3 MB between identical starts (measured; the error is reported as
+  a warning).
 
 Skipped without vLLM by this directory's conftest (TUNERD_REQUIRE_ENGINE=1 turns that into a failure).
 Set TUNERD_VLLM_CACHE to a directory to keep vLLM's compile caches between sessions (faster starts).
