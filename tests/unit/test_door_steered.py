@@ -187,3 +187,20 @@ def test_the_tuner_reads_the_concurrency_the_steered_cap_lost(supervisor: Superv
     for state in (replace_state(base, too_low=None), LimitState("static", 23, 1, 64, 0.0, pinned=True)):
         link.door.limit_state = lambda state=state: state  # type: ignore[method-assign]
         assert link.lost_caps() == ()
+
+
+def test_the_config_sets_the_doors_order_on_time_first_by_the_ttft_target(supervisor: Supervisor) -> None:
+    """`[door] order = "on_time_first"` reaches the door's queue as "late after the TTFT target" at every
+    reload (door_link.apply_config), and back to arrival order when the order is taken away."""
+    link = supervisor.door_link
+    assert link is not None
+    config = supervisor.config
+    gate = link.door._gate
+    assert gate.late_after_s is None  # the fixture's config: arrival order
+    on_time_first = config.model_copy(
+        update={"door": config.door.model_copy(update={"order": "on_time_first"})}
+    )
+    link.apply_config(on_time_first)
+    run(lambda: until(lambda: gate.late_after_s == config.objective.ttft_s, "late after the TTFT target"))
+    link.apply_config(config)
+    run(lambda: until(lambda: gate.late_after_s is None, "arrival order again"))

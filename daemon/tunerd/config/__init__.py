@@ -403,6 +403,18 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
+    def _on_time_first_needs_a_ttft_target(self) -> Config:
+        """`[door] order = "on_time_first"` judges lateness by the goodput objective's TTFT target: without
+        one it would quietly stay first come, first served."""
+        objective = self.objective
+        if self.door.order == "on_time_first" and (objective.kind != "goodput" or objective.ttft_s is None):
+            raise ValueError(
+                'door: order = "on_time_first" needs [objective] kind = "goodput" with ttft_s (a request is '
+                "late once it has waited that long)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _probe_fits_the_context(self) -> Config:
         """A probe request longer than the context is refused by vLLM (HTTP 400): say so at load."""
         limit, probe = self.engine.params.max_model_len, self.probe

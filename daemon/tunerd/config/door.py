@@ -38,6 +38,11 @@ class DoorConfig(BaseModel):
     max_queue: int = Field(default=1024, ge=0)
     # The longest a request waits in the door, whatever it waits for; then 503. Above a restart's duration.
     hold_timeout_s: float = Field(default=300.0, gt=0)
+    # The order waiting requests are released in. "arrival": first come, first served. "on_time_first"
+    # (under a goodput objective with a TTFT target): a request that has waited that target already missed
+    # it, so it goes only when no request that can still meet it waits — in arrival order a backlog makes
+    # every request late (docs/door.md). The late ones still wait, up to hold_timeout_s.
+    order: Literal["arrival", "on_time_first"] = "arrival"
     # Before a planned restart: how long in-flight requests may take to finish; what is still in flight
     # then is counted (`drain_cut`) and the loop stops vLLM anyway.
     drain_timeout_s: float = Field(default=30.0, ge=0)

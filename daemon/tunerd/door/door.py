@@ -65,8 +65,8 @@ class Door:
     """Clients → `config.host:config.port` → the upstream URL the main loop sets (vLLM on loopback).
 
     Starts in state "down" with no upstream: requests wait (up to `hold_timeout_s`) until the loop calls
-    `set_upstream(url, "serving")`. Thread-safe: `set_upstream`, `set_max_in_flight`, `steer`,
-    `set_limit_bounds`, `set_targets`, `set_max_model_len`, `set_model_dir`, `drain_state`,
+    `set_upstream(url, "serving")`. Thread-safe: `set_upstream`, `set_max_in_flight`, `set_late_after`,
+    `steer`, `set_limit_bounds`, `set_targets`, `set_max_model_len`, `set_model_dir`, `drain_state`,
     `limits_state`, `limit_state`, `address`, `stop`; `start` once, from the thread that owns the door.
 
     The in-flight cap is a controller of the door's loop (door/limit.py): a fixed value (`[door]
@@ -162,6 +162,13 @@ class Door:
         if state == "serving" and url is None and self._gate.url is None:
             raise ValueError("serving needs an upstream URL (none was set before)")
         self._call(self._set_upstream, url, state, reason)
+
+    def set_late_after(self, seconds: float | None) -> None:
+        """Release waiting requests on time first: one that has waited `seconds` goes only when no other
+        waits (door/gate.py); None: in arrival order."""
+        if seconds is not None and seconds <= 0:
+            raise ValueError("late_after must be positive (or None: arrival order)")
+        self._call(self._gate.set_late_after, seconds)
 
     def set_max_in_flight(self, cap: int | None) -> None:
         """Pin the in-flight cap at `cap` (None: no cap) on the running door — it stays there, not

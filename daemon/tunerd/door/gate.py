@@ -9,6 +9,14 @@ Order: every request draws a sequence number on arrival; waiting requests are re
 waits for a *new* serving epoch (the loop said serving again after another state, or a new URL) or for
 the door's own /health probe to confirm the same upstream alive after the cut (`confirm_alive`): sending
 it straight back to an engine that just died would waste its one replay.
+
+On time first (`late_after_s`, `[door] order = "on_time_first"` under a TTFT target): a request that has
+waited that long has missed its first-token target whatever comes next, so it is released only when no
+request that can still meet it waits; the late ones then go by arrival. In arrival order a backlog makes
+every request late — each waits behind requests that already missed — and a queue that the cap answers
+only about as fast as requests arrive never drains: the goodput proof's CPU open loop held every cap,
+tunerd's and a static one, at 0 % after two minutes (docs/benchmarks.md). Replays are never late: they
+were admitted already.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -71,6 +80,8 @@ class Gate:
     hold_timeout_s: float
     drain_timeout_s: float
     max_in_flight: int | None = None
+    late_after_s: float | None = None  # on time first (module doc); None: arrival order
+    clock: Callable[[], float] = time.monotonic  # the loop's clock (the unit tests give a fake one)
     state: UpstreamState = "down"
     url: str | None = None
     reason: str = ""
@@ -78,8 +89,9 @@ class Gate:
     in_flight: int = 0
     snapshot: DrainState = field(init=False)
     _ready: list[_Waiter] = field(default_factory=list)  # a heap by arrival: released when it is their turn
+    _late: deque[_Waiter] = field(default_factory=deque)  # on time first: waited too long, by arrival
     _cut: list[_Waiter] = field(default_factory=list)  # cut ones waiting for a new epoch or a probe
-    _queued: int = 0  # live waiters in both (cancelled ones leave the heap lazily)
+    _queued: int = 0  # live waiters in all three (cancelled ones leave them lazily)
     _arrivals: int = 0  # requests that arrived so far; the next one's sequence number
     _drain: _Drain | None = None
     _closed: str | None = None
@@ -112,7 +124,7 @@ class Gate:
             raise Refused(
                 "rejected_queue_full", f"the front door's queue is full (max_queue = {self.max_queue})"
             )
-        waiter = _Waiter(seq, self.loop.create_future(), time.monotonic(), cut_epoch)
+        waiter = _Waiter(seq, self.loop.create_future(), self.clock(), cut_epoch)
         waiter.timer = self.loop.call_later(self.hold_timeout_s, self._expire, waiter)
         waiter.future.add_done_callback(lambda fut: self._on_done(waiter))
         heapq.heappush(
@@ -159,12 +171,12 @@ class Gate:
             self.epoch += 1
             self._readmit_cut(lambda w: True)
             if self._queued:
-                longest = time.monotonic() - min(w.since for w in self._live())
+                longest = self.clock() - min(w.since for w in self._live())
                 replays = sum(1 for w in self._live() if w.cut_epoch is not None)
                 self.post(DoorReleased(self._queued, replays, round(longest, 3)))
         elif state == "draining" and self._drain is None:
             timer = self.loop.call_later(self.drain_timeout_s, self._end_drain, "timeout")
-            self._drain = _Drain(time.monotonic(), self.in_flight, timer)
+            self._drain = _Drain(self.clock(), self.in_flight, timer)
             if self.in_flight <= 0:
                 self._end_drain("idle")
         elif state == "fatal":
@@ -178,6 +190,17 @@ class Gate:
         """A lower cap lets the surplus finish and queues new requests; a higher one releases waiters."""
         self.max_in_flight = cap
         self.metrics.max_in_flight.set(cap or 0)
+        self._pump()
+        self._publish()
+
+    def set_late_after(self, seconds: float | None) -> None:
+        """On time first after `seconds` of waiting (module doc); None: arrival order again, the late ones
+        back in their places."""
+        self.late_after_s = seconds
+        if seconds is None:
+            for waiter in self._late:
+                heapq.heappush(self._ready, waiter)
+            self._late.clear()
         self._pump()
         self._publish()
 
@@ -211,18 +234,38 @@ class Gate:
         return Ticket(self.url, self.epoch)
 
     def _pump(self) -> None:
-        """Release waiters in arrival order while the upstream serves and the cap has room."""
-        ready = self._ready
-        while ready and self.state == "serving" and self._has_room():
-            waiter = heapq.heappop(ready)
-            if waiter.future.done():
-                continue  # cancelled or refused: accounted for in _on_done
+        """Release waiters while the upstream serves and the cap has room: in arrival order, or on time
+        first (`late_after_s`)."""
+        while self.state == "serving" and self._has_room():
+            waiter = self._next()
+            if waiter is None:
+                return
             if waiter.timer is not None:
                 waiter.timer.cancel()
-            self.metrics.hold.observe(time.monotonic() - waiter.since)
+            self.metrics.hold.observe(self.clock() - waiter.since)
             self.metrics.count("released")
             waiter.future.set_result(self._grant())
             self._queued -= 1
+
+    def _next(self) -> _Waiter | None:
+        """The live waiter to release next, taken out of its queue; None when none waits. On time first,
+        the arrivals that waited `late_after_s` met on the way are set aside in `_late` (by arrival: a
+        request once late stays late) and are taken only when no other waits."""
+        ready, late = self._ready, self._late
+        cutoff = None if self.late_after_s is None else self.clock() - self.late_after_s
+        while ready:
+            waiter = heapq.heappop(ready)
+            if waiter.future.done():
+                continue  # cancelled or refused: accounted for in _on_done
+            if cutoff is not None and waiter.cut_epoch is None and waiter.since <= cutoff:
+                late.append(waiter)
+                continue
+            return waiter
+        while late:
+            waiter = late.popleft()
+            if not waiter.future.done():
+                return waiter
+        return None
 
     def _readmit_cut(self, which: Callable[[_Waiter], bool]) -> None:
         keep = []
@@ -237,7 +280,7 @@ class Gate:
         self._cut = keep
 
     def _live(self) -> list[_Waiter]:
-        return [w for w in (*self._ready, *self._cut) if not w.future.done()]
+        return [w for w in (*self._ready, *self._late, *self._cut) if not w.future.done()]
 
     def _expire(self, waiter: _Waiter) -> None:
         if waiter.future.done():
@@ -256,7 +299,7 @@ class Gate:
     def _refuse(self, waiter: _Waiter, refusal: Refused) -> None:
         if waiter.timer is not None:
             waiter.timer.cancel()
-        self.metrics.hold.observe(time.monotonic() - waiter.since)
+        self.metrics.hold.observe(self.clock() - waiter.since)
         self._queued -= 1
         waiter.future.set_exception(refusal)
 
@@ -267,9 +310,10 @@ class Gate:
                 waiter.timer.cancel()
             self._queued -= 1
             self.metrics.count("client_gone")
-            if len(self._ready) > 2 * self._queued + 64:  # clients that left while vLLM was down: compact
+            if len(self._ready) + len(self._late) > 2 * self._queued + 64:  # clients that left: compact
                 self._ready = [w for w in self._ready if not w.future.done()]
                 heapq.heapify(self._ready)
+                self._late = deque(w for w in self._late if not w.future.done())
             self._publish()
 
     def _end_drain(self, ended: str) -> None:
@@ -281,7 +325,7 @@ class Gate:
             drain.timer.cancel()
         cut = max(self.in_flight, 0) if ended != "idle" else 0
         self.metrics.count("drain_cut", cut)
-        seconds = round(time.monotonic() - drain.since, 3)
+        seconds = round(self.clock() - drain.since, 3)
         self.post(DoorDrained(ended, drain.at_start, drain.finished, cut, self._queued, seconds))  # type: ignore[arg-type]
         self._publish()
 

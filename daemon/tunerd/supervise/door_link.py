@@ -79,11 +79,14 @@ class DoorLink:
 
     def apply_config(self, config: Config) -> None:
         """What the cap is steered by, from the config (at start, at every reload): the goodput
-        objective's targets when goodput is in force (else none: the cap is not steered), and the bounds."""
+        objective's targets when goodput is in force (else none: the cap is not steered), and the bounds;
+        and the queue's order (`[door] order`: on time first needs the goodput objective's TTFT target)."""
         objective = config.objective
         goodput = in_force(objective, door_enabled=True).kind == "goodput"
         self.door.set_targets(objective.targets if goodput else None, objective.attainment)
         self.door.set_limit_bounds(config.door.min_in_flight, self.max_num_seqs)
+        on_time_first = goodput and config.door.order == "on_time_first"
+        self.door.set_late_after(objective.targets.ttft_s if on_time_first else None)
 
     def set_max_in_flight(self, cap: int | None, why: str) -> None:
         """Pin the door's cap at `cap` now (no restart; None: no cap); journaled and kept in the state
