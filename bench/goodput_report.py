@@ -3,8 +3,9 @@
 `section(data, out, link)` returns the markdown lines: the workloads and their targets, a table per
 workload with every contender's figures as the clients measured them, each of issue 23's targets with
 PASS or MISS and by how much. Plots (PNG, in `out`): `goodput_by_config.png` — goodput of every grid
-point and every static cap on the same axes, tunerd's configurations marked; `goodput_run.png` — a tunerd
-run over time: attainment, goodput, throughput and the door's cap, restarts marked.
+point and every static cap on the same axes, tunerd's configurations marked; `goodput_run.png` (the
+busiest open loop; `goodput_run-NAME.png` the others) — a tunerd run over time: attainment, goodput,
+throughput and the door's cap, restarts marked, the held caps' attainment beside it.
 """
 
 from __future__ import annotations
@@ -130,7 +131,8 @@ def section(data: dict[str, Any], out: Path, link: str) -> list[str]:
         f"model in float32 with a {data['engine']['kv_cache_bytes'] / 1e6:.0f} MB KV cache. Every figure "
         f"is the clients' own (the load generator's clock): a request is good when it met both targets; "
         f"goodput = good answers a second over a {s['window_s']:.0f} s window after "
-        f"{s['warmup_s']:.0f} s of warm-up; feasible = attainment ≥ {s['attainment']:.0%}.",
+        f"{s['warmup_s']:.0f} s of warm-up; feasible = attainment ≥ {s['attainment']:.0%}; the door's "
+        f"queue order: {data.get('door_order', 'arrival').replace('_', ' ')}.",
         "",
         "| workload | load | TTFT target | TPOT target |",
         "|---|---|---|---|",
@@ -175,6 +177,9 @@ def section(data: dict[str, Any], out: Path, link: str) -> list[str]:
                 lines.append(_row(label, f, _where(contender, f, run)))
         if run and run.get("fresh"):  # the same configuration on a fresh load: no backlog carried in
             lines.append(_row("tunerd (goodput), its end on a fresh load", run["fresh"], "not ranked"))
+        if held := row.get("held_defaults"):
+            label = f"vLLM's defaults (no cap), held {held['minutes']:.1f} min"
+            lines.append(_row(label, held, "one load as long as tunerd's run, judged at its end"))
         if held := row.get("held_cap"):
             label = f"static door cap {held['cap']}, held {held['minutes']:.1f} min"
             lines.append(_row(label, held, "one load as long as tunerd's run, judged at its end"))
@@ -192,8 +197,10 @@ def section(data: dict[str, Any], out: Path, link: str) -> list[str]:
         lines += ["", *_targets(name, row, run), ""]
     plot_by_config(data, out / "goodput_by_config.png")
     lines += [f"![goodput by configuration]({link}/goodput_by_config.png)", ""]
-    if plot_run(data, out / "goodput_run.png"):
-        lines += [f"![a tunerd run over time]({link}/goodput_run.png)", ""]
+    for name in runs_to_plot(data):  # the busiest workload's as goodput_run.png, the others' beside it
+        file = "goodput_run.png" if name == runs_to_plot(data)[-1] else f"goodput_run-{name}.png"
+        plot_run(data, name, out / file)
+        lines += [f"![tunerd's run under {name} over time]({link}/{file})", ""]
     return lines
 
 
@@ -241,26 +248,30 @@ def plot_by_config(data: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def plot_run(data: dict[str, Any], path: Path) -> bool:
-    """The goodput run on the busiest workload: attainment, goodput and throughput (rolling), the door's
-    cap; restarts dashed; the best static cap held under the same load beside tunerd's attainment, when
-    measured. False when there is none."""
-    runs = [(n, r) for n, r in data.get("tunerd", {}).items() if r.get("series") and "(" not in n]
-    if not runs:
-        return False
-    # The busiest workload tunerd ran on: the one where the defaults are most likely to miss.
-    order = [w["name"] for w in data["workloads"]]
-    name, run = max(runs, key=lambda nr: order.index(nr[0]) if nr[0] in order else -1)
+def runs_to_plot(data: dict[str, Any]) -> list[str]:
+    """The workloads of tunerd's goodput runs on open loops, in the page's order (the busiest last): their
+    backlogs are what the held caps are compared on."""
+    kinds = {w["name"]: w["kind"] for w in data["workloads"]}
+    runs = data.get("tunerd", {})
+    return [n for n in kinds if kinds[n] == "open" and (runs.get(n) or {}).get("series")]
+
+
+def plot_run(data: dict[str, Any], name: str, path: Path) -> None:
+    """tunerd's goodput run under `name`: attainment, goodput and throughput (rolling), the door's cap;
+    restarts dashed; beside tunerd's attainment, the best static cap and vLLM's defaults held under the
+    same load, when measured."""
+    run = data["tunerd"][name]
     series = run["series"]
     t = [p[0] / 60 for p in series]
     fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(11, 7), sharex=True)
     top.plot(t, [p[1] if p[1] is not None else float("nan") for p in series], color="C0")
     top.axhline(data["settings"]["attainment"], color="grey", linestyle=":", linewidth=0.8)
-    if held := data.get("held_cap", {}).get(name):  # the best static cap under the same load, as long
-        top.plot([p[0] / 60 for p in held["series"]], [p[1] if p[1] is not None else float("nan")
-                 for p in held["series"]], color="black", linestyle="-.", linewidth=0.9,
-                 label=f"static cap {held['cap']}, held (a start of its own)")  # fmt: skip
-        top.legend(fontsize=7, loc="upper right")
+    for key, color, what in (("held_cap", "black", "static cap {}"), ("held_defaults", "grey", "no cap")):
+        if held := data.get(key, {}).get(name):  # under the same load, as long, on a start of its own
+            top.plot([p[0] / 60 for p in held["series"]], [p[1] if p[1] is not None else float("nan")
+                     for p in held["series"]], color=color, linestyle="-.", linewidth=0.9,
+                     label=f"{what.format(held['cap'])}, held (a start of its own)")  # fmt: skip
+            top.legend(fontsize=7, loc="upper right")
     top.set_ylabel("attainment")
     middle.plot(t, [p[2] for p in series], color="C2", label="goodput")
     middle.set_ylabel("goodput (req/s)")
@@ -283,7 +294,6 @@ def plot_run(data: dict[str, Any], path: Path) -> bool:
     top.set_title(f"tunerd from vLLM's defaults under {name}: dashed = serving again after a restart")
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
-    return True
 
 
 def scaling_section(data: dict[str, Any]) -> list[str]:

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Run every benchmark against real vLLM on this machine, then write docs/benchmarks.md and its plots.
 #
-#   bash bench/run_all.sh            # everything (planned under 2 hours on 2 CPU cores; the goodput proof
-#                                    # alone took 101 min on 2026-12-05, the rest ~25 min on 2026-12-02:
+#   bash bench/run_all.sh            # everything (planned under 2 hours on 2 CPU cores, and over it now:
+#                                    # the goodput proof took 101 min on 2026-12-05 before open-mid and
+#                                    # the held contenders, ~45 min more; the rest ~25 min on 2026-12-02;
 #                                    # not yet timed end to end)
 #   bash bench/run_all.sh --quick    # fewer points, short windows: every path; writes under
 #                                    # $TMPDIR/tunerd-bench-quick, not docs/ (not yet timed with goodput_proof)
