@@ -173,6 +173,14 @@ def test_exploration_the_tuning_memory_and_the_probe_rule_on_the_small_model(
         assert not again, again
         moved = two["best"] != {"max_num_seqs": best}
         assert two["restarts"] == int(moved) < one["restarts"], daemon.dump()
+        # Its best point's baseline (the probe's, idle) before the heavy load below: taken under that load,
+        # the baseline was the load's own (CI: 5.95 tok/s after 43 s) and the 30 % rule fired on noise, two
+        # minutes later (3.97 against a threshold of 4.17).
+        daemon.wait_record(
+            lambda r: r["event"] == "baseline.recorded" and "exploration" in r["why"],
+            timeout=UP_S,
+            after_seq=two["seq"],
+        )
         measured = ", ".join(f"{p['value']}: {p['objective']:.0f} tok/s" for p in points)
         figures(
             f"$ tunerd explore max_num_seqs\n{first}\n"
