@@ -465,8 +465,7 @@ def tunerd_all(
 ) -> None:
     runs = results.data.setdefault("tunerd", {})
     todo = [(w, goodput_objective(w), w.name) for w in ws if w.name in s.tunerd_on]
-    throughput = next(w for w in ws if w.name == THROUGHPUT_ON)
-    todo.append((throughput, {"kind": "throughput"}, f"{THROUGHPUT_ON} (throughput)"))
+    todo += [(w, {"kind": "throughput"}, f"{w.name} (throughput)") for w in ws if w.name == THROUGHPUT_ON]
     for w, objective, name in todo:
         if runs.get(name, {}).get("final"):
             continue
