@@ -10,7 +10,7 @@ throughput and the door's cap, restarts marked, the held caps' attainment beside
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -201,6 +201,48 @@ def section(data: dict[str, Any], out: Path, link: str) -> list[str]:
         file = "goodput_run.png" if name == runs_to_plot(data)[-1] else f"goodput_run-{name}.png"
         plot_run(data, name, out / file)
         lines += [f"![tunerd's run under {name} over time]({link}/{file})", ""]
+    return lines
+
+
+def order_section(data: dict[str, Any], main: dict[str, Any] | None, out: Path, link: str) -> list[str]:
+    """A run of `bench/goodput_proof.py --order on_time_first --only …` (its results beside goodput.json):
+    tunerd and the held cap under each workload it measured, beside the same contenders in arrival order
+    (`main`), and its run plots."""
+    main = main or {}
+    names = [
+        w["name"] for w in data["workloads"] if (data.get("tunerd", {}).get(w["name"]) or {}).get("final")
+    ]
+    began = min(data["tunerd"][n]["began"] for n in names) if names else None
+    when = datetime.fromtimestamp(began, UTC).strftime("%Y-%m-%d %H:%M UTC") if began else "not run"
+    lines = [
+        "## The door's queue order: on time first (`bench/goodput_proof.py --order on_time_first`)",
+        "",
+        f"{when}; the same box, calibration, targets and workloads as above. tunerd and the best static cap, "
+        'each on a start of its own, with `[door] order = "on_time_first"`: a request that has waited its '
+        "TTFT target goes after those that can still meet it. The rows in arrival order are the tables' "
+        "above. Every figure is the last 20 s window of one load that ran all along.",
+        "",
+    ]
+    for name in names:
+        lines += [
+            f"### {name}",
+            "",
+            "| contender | order | goodput (req/s) | attainment | tok/s | TTFT p50 / p95 (ms) "
+            "| TPOT p50 / p95 (ms) | preempt/s | held for |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        orders = (("on time first", data), ("arrival", main))
+        for order, source in orders:
+            run = (source.get("tunerd") or {}).get(name) or {}
+            if run.get("final"):
+                lines.append(_row(f"tunerd (goodput) | {order}", run["final"], f"{run['minutes']:.1f} min"))
+        for order, source in orders:
+            if held := (source.get("held_cap") or {}).get(name):
+                label = f"static door cap {held['cap']} | {order}"
+                lines.append(_row(label, held["final"], f"{held['minutes']:.1f} min"))
+        file = f"goodput_run-{name}-on-time-first.png"
+        plot_run(data, name, out / file)
+        lines += ["", f"![tunerd's run under {name}, on time first]({link}/{file})", ""]
     return lines
 
 

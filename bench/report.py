@@ -314,8 +314,14 @@ def main() -> int:
     ]
     link = os.path.relpath(args.dir, args.page.parent)
     goodput = args.dir / "goodput.json"
-    if goodput.exists():
-        lines += goodput_report.section(json.loads(goodput.read_text()), args.dir, link)
+    main_goodput = json.loads(goodput.read_text()) if goodput.exists() else None
+    if main_goodput is not None:
+        lines += goodput_report.section(main_goodput, args.dir, link)
+    on_time_first = args.dir / "goodput-on-time-first.json"
+    if on_time_first.exists():
+        lines += goodput_report.order_section(
+            json.loads(on_time_first.read_text()), main_goodput, args.dir, link
+        )
     scaling = args.dir / "restart_scaling.json"
     if scaling.exists():
         lines += goodput_report.scaling_section(json.loads(scaling.read_text()))
