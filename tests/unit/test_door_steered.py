@@ -41,11 +41,14 @@ def test_the_door_steers_its_cap_down_from_the_requests_it_answers() -> None:
             for n in range(3):
                 await r.complete(n)
             state = await until(lambda: (s := door.limit_state()).limit != 8 and s, "a step down")
-            assert state.limit == 6 and state.verdict == "upstream" and "smaller batch" in state.last_why
+            # ×0.75 from the cap, 8 → 6, or from the most requests in flight in the interval when a tick of
+            # the door saw the one request of this sequential loop in flight: 1 (the floor). Which one is
+            # the box's timing (CI's busy box: 1); the arithmetic is tests/unit/test_door_limit.py's.
+            assert state.limit in (6, 1) and state.verdict == "upstream" and "smaller batch" in state.last_why
             told = await until(lambda: [e for e in r.events if isinstance(e, DoorLimit)], "door.limit")
-            assert told[0] == DoorLimit(8, 6, state.last_why, 1)
-            await until(lambda: door.drain_state().max_in_flight == 6, "the gate's cap")
-            assert r.registry.get_sample_value("tunerd_door_max_in_flight") == 6
+            assert told[0] == DoorLimit(8, state.limit, state.last_why, 1)
+            await until(lambda: door.drain_state().max_in_flight == state.limit, "the gate's cap")
+            assert r.registry.get_sample_value("tunerd_door_max_in_flight") == state.limit
             changes = r.registry.get_sample_value(
                 "tunerd_door_max_in_flight_changes_total", {"by": "steered"}
             )
