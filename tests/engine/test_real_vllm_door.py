@@ -13,7 +13,8 @@ only, plain and streamed, without pause.
    or a reset. The kill comes while one long stream is mid-answer at vLLM: with the tiny model a 64-token
    answer takes ~0.3 s, and a closed loop's requests finish together, so "requests in flight at the door"
    can be answers already generated on their way back, with the engine core idle (a CI run killed it then:
-   nothing was cut, and the clients' next requests simply waited in the door).
+   nothing was cut, and the clients' next requests simply waited in the door). The long stream's first
+   token can itself come after vLLM generated all of it: then a second kill, under a new long stream.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import signal
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -114,12 +116,20 @@ def test_no_client_request_is_lost_across_a_tuning_restart_or_an_engine_crash(
             assert stopped and all(s["seq"] > drained[0]["seq"] for s in stopped)
             assert released and sum(r["waiting"] for r in released) >= 1  # clients were held, then let go
 
-            # 2. The engine core killed under the same load, with a long stream mid-answer at vLLM.
-            first_token = threading.Event()
-            with ThreadPoolExecutor(1) as pool:
-                long: Future[dict[str, Any]] = pool.submit(long_stream, url, str(tiny_model), first_token)
-                killed_core(daemon, mid_answer=lambda: first_token.wait(120) and not long.done())
-                cut = long.result(timeout=300)
+            # 2. The engine core killed under the same load, with a long stream mid-answer at vLLM. The
+            # client's first token can come after vLLM has generated all 480 (CI: its API server seconds
+            # behind the engine core on the busy box; the stream then ended whole): the kill cut nothing
+            # of it, and a second attempt kills the new engine under a new long stream (two kills stay
+            # under the daemon's max_failures of 3).
+            cut: dict[str, Any] = {}
+            for _ in range(2):
+                first_token = threading.Event()
+                with ThreadPoolExecutor(1) as pool:
+                    long: Future[dict[str, Any]] = pool.submit(long_stream, url, str(tiny_model), first_token)
+                    killed = killed_core(daemon, mid_answer=partial(mid_answer, first_token, long))
+                    cut = long.result(timeout=300)
+                if killed and (cut["error"] or cut["tokens"] < 480):
+                    break
             assert cut["error"] and cut["done"] and 0 < cut["tokens"] < 480, cut  # cut, ended cleanly
             before = answered(plain, streams)
             wait_until(lambda: answered(plain, streams) >= before + 10, 300, "answers after the crash")
@@ -136,17 +146,24 @@ def test_no_client_request_is_lost_across_a_tuning_restart_or_an_engine_crash(
     )
 
 
-def killed_core(daemon: Daemon, mid_answer: Callable[[], bool]) -> None:
+def mid_answer(first_token: threading.Event, long: Future[dict[str, Any]]) -> bool:
+    """The long stream has its first token and has not ended (a wait of up to 120 s for the token)."""
+    return first_token.wait(120) and not long.done()
+
+
+def killed_core(daemon: Daemon, mid_answer: Callable[[], bool]) -> bool:
     """SIGKILL vLLM's engine core once `mid_answer()` (a wait) says a request is being generated: noticed
     from vLLM itself (its EngineDeadError lines, or its API server's exit with 0), not from failed health
     checks (how fast: bench/detection_latency.py --scenario engine-kill); every process of the old tree
     reaped, the worker included; a retry that serves. The processes are looked up before the wait, so
-    that the kill follows it within a system call."""
+    that the kill follows it within a system call. False, and nothing killed, when `mid_answer()` says
+    no request is mid-answer."""
     old_tree = daemon.marked_pids()
     core = next(pid for pid in old_tree if getattr(procfs.read_stat(pid), "comm", "") == "VLLM::EngineCor")
     api_server = daemon.status()["engine"]["pid"]
     after = daemon.last_seq()
-    assert mid_answer(), "no request was mid-answer to kill the engine under"
+    if not mid_answer():
+        return False
     os.kill(core, signal.SIGKILL)
     failed = daemon.wait_event("engine.failed", timeout=120, after_seq=after)
     assert failed["failure"]["kind"] in ("engine_dead", "exited")
@@ -161,3 +178,4 @@ def killed_core(daemon: Daemon, mid_answer: Callable[[], bool]) -> None:
     )
     new_tree = daemon.marked_pids()
     assert new_tree and not set(new_tree) & set(old_tree)
+    return True
