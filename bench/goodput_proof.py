@@ -186,27 +186,28 @@ def measure(
     `s.window_s`), judged on the clients' clock; preemptions from `metrics_url` (vLLM). The load is
     stopped and drained after."""
     load = workload.load(base_url, model, SEED).start()
-    try:
-        time.sleep(warmup_s)  # not a synchronisation: the measured window starts after the warm-up
-        start, before = time.monotonic(), preemptions(metrics_url)
-        time.sleep(s.window_s if window_s is None else window_s)
-        end, after = time.monotonic(), preemptions(metrics_url)
-    finally:
-        stats = load.stop(timeout_s=300)
-    figures = window_figures(stats.answers, workload, start, end)
-    return {**figures, "preemptions_per_s": (after - before) / (end - start), "errors": len(stats.errors)}
+    window = s.window_s if window_s is None else window_s
+    return continuing_window(metrics_url, load, workload, window, after_s=warmup_s)[0]
 
 
 def continuing_window(
-    metrics_url: str, load: ClosedLoopLoad | OpenLoopLoad, workload: Workload, s: Settings
+    metrics_url: str,
+    load: ClosedLoopLoad | OpenLoopLoad,
+    workload: Workload,
+    window_s: float,
+    after_s: float = 0.0,
 ) -> tuple[dict[str, Any], list[Any], float]:
-    """One `s.window_s` more of `load`, which ran all along, then the load stopped: (the window's figures
-    as `measure` gives them, every answer of the load, the window's end). A configuration that cannot drain
-    the backlog its past let in is judged with it."""
-    start, before = time.monotonic(), preemptions(metrics_url)
-    time.sleep(s.window_s)  # the measured window, not a synchronisation
-    end, after = time.monotonic(), preemptions(metrics_url)
-    stats = load.stop(timeout_s=300)
+    """`window_s` more of `load` (which may have run all along), after `after_s` of it, then the load
+    stopped and drained (also on an error): (the window's figures, judged on the clients' clock, with
+    preemptions a second from `metrics_url`; every answer of the load; the window's end). A configuration
+    that cannot drain the backlog its past let in is judged with it."""
+    try:
+        time.sleep(after_s)  # not a synchronisation: the measured window starts after it
+        start, before = time.monotonic(), preemptions(metrics_url)
+        time.sleep(window_s)
+        end, after = time.monotonic(), preemptions(metrics_url)
+    finally:
+        stats = load.stop(timeout_s=300)
     figures = window_figures(stats.answers, workload, start, end)
     figures |= {"preemptions_per_s": (after - before) / (end - start), "errors": len(stats.errors)}
     return figures, stats.answers, end
@@ -428,7 +429,7 @@ def tunerd_run(
         # figure, the only one before 2026-12-05) hid it: the re-measured proof's tunerd missed every
         # request from 1.5 min on and its fresh window scored 78 % (docs/benchmarks.md).
         daemon.wait_state("RUNNING", timeout=900)
-        final, answers, end = continuing_window(vllm, load, w, s)
+        final, answers, end = continuing_window(vllm, load, w, s.window_s)
         load = None
         fresh = measure(door, vllm, str(model), w, s, s.settle_s)
         ready = engine_starts(daemon)
@@ -500,7 +501,7 @@ def hold(
         load = w.load(door, str(model), SEED).start()
         began = time.monotonic()
         time.sleep(seconds)  # as long as tunerd's run: not a synchronisation
-        final, answers, end = continuing_window(vllm, load, w, s)
+        final, answers, end = continuing_window(vllm, load, w, s.window_s)
         load = None
         series = rolling_attainment(answers, w, began, end, ROLLING_S, 5.0)
         feasible = next((t for t, a, _, _ in series if a is not None and a >= ATTAINMENT), None)
