@@ -6,6 +6,10 @@ and a request must never wait for that; nor may the door's traffic slow the loop
 mutable: every method below only schedules work on the door's loop (`call_soon_threadsafe`) or returns an
 immutable snapshot, and the door talks back only through `post(event)` (events.py), which puts the event
 on the main loop's queue.
+
+Over 400 lines: it is that one surface — each thread-safe method and the loop-side half it schedules,
+the server's life, and the cap's controller the door's timer steps — and what it wires lives elsewhere
+(gate.py, proxy.py, limit.py, admission.py).
 """
 
 from __future__ import annotations
