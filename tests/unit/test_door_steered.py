@@ -147,8 +147,8 @@ def test_tunerd_door_and_status_show_the_controllers_inputs() -> None:
         "verdict": "upstream", "attainment": 0.8, "attainment_ttft": 0.97, "attainment_tpot": 0.81,
         "attainment_e2e": None, "attainment_target": 0.95, "wait_share": 0.12, "door_miss_share": 0.1,
         "last_age_s": 3.0, "last_why": "missed (80.0% < 95%), 9 of 10 misses upstream: a smaller batch",
-        "changes": 4, "cannot_meet": False, "too_high": 32, "too_low": None, "pinned": False,
-        "max_num_seqs": 64,
+        "changes": 4, "cannot_meet": False, "too_high": 32, "too_low": None, "keeps_up": 12,
+        "pinned": False, "max_num_seqs": 64,
     }  # fmt: skip
     door = {"address": "127.0.0.1:8000", "state": "serving", "in_flight": 24, "queued": 9,
             "max_in_flight": 24, "limit": limit}  # fmt: skip
@@ -157,6 +157,7 @@ def test_tunerd_door_and_status_show_the_controllers_inputs() -> None:
     assert "7 samples, 2 stale" in page
     assert "attainment 80.0% (target 95.0%): ttft 97.0%, tpot 81.0%, e2e -" in page
     assert "the door's wait 12.0% of the clients' TTFT" in page and "missed upstream at 32" in page
+    assert "keeps up with the arrivals from 12" in page
     assert "last change (4 so far), 3 s ago: missed (80.0% < 95%)" in page
     status = render_status({"door": door})
     assert "cap 24 steered (1..64; upstream) (tunerd door)" in status
@@ -190,6 +191,10 @@ def test_the_tuner_reads_the_concurrency_the_steered_cap_lost(supervisor: Superv
     for state in (replace_state(base, too_low=None), LimitState("static", 23, 1, 64, 0.0, pinned=True)):
         link.door.limit_state = lambda state=state: state  # type: ignore[method-assign]
         assert link.lost_caps() == ()
+    # A cap below what keeps up with the arrivals (Little's law) is lost too: one below `keeps_up`.
+    link.door.limit_state = lambda: replace_state(base, too_low=None, keeps_up=9)  # type: ignore[method-assign]
+    [lost] = link.lost_caps()
+    assert lost.value == 8 and "fewer requests than arrived" in lost.why
 
 
 def test_the_config_sets_the_doors_order_on_time_first_by_the_ttft_target(supervisor: Supervisor) -> None:

@@ -179,7 +179,11 @@ def limit_lines(limit: dict[str, Any]) -> list[str]:
     )
     seen = [
         f"{name} {limit[key]}"
-        for name, key in (("missed upstream at", "too_high"), ("missed by the door's wait at", "too_low"))
+        for name, key in (
+            ("missed upstream at", "too_high"),
+            ("missed by the door's wait at", "too_low"),
+            ("keeps up with the arrivals from", "keeps_up"),
+        )
         if limit.get(key) is not None
     ]
     if seen:

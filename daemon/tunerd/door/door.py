@@ -316,7 +316,8 @@ class Door:
         gate = self._gate
         snapshot = gate.snapshot
         serving = gate.state == "serving"
-        change = self._limiter.step(now, snapshot.queued, snapshot.in_flight) if serving else None
+        step = self._limiter.step
+        change = step(now, snapshot.queued, snapshot.in_flight, snapshot.arrivals) if serving else None
         if change is not None:
             self._apply_limit(change.new, "steered")
             record = self._limit_log.add(change)

@@ -49,6 +49,17 @@ vLLM's TTFT p95 from 2.08 s to 0.018 s while the clients' TTFT p95 rose from 1.1
   the lower bound (or just above a cap that missed by the door's wait), or missing by the door's wait at
   the upper bound (or just below a cap that missed upstream). Then only a restart knob (a smaller batch,
   more KV cache) or more capacity can help: the tuner tries restart knobs only then (tune/proposer.py).
+- **It keeps up with the arrivals** (Little's law; `step`'s `arrived`, the door's count of arrivals).
+  When the door's backlog (queued + in flight) grew over the last `memory_s` by more than 2√arrivals
+  (two sigma of the arrivals' Poisson noise) with requests waiting in the door, the cap answers fewer
+  requests than arrive, and each one behind misses its TTFT by more. The cap goes up to the concurrency
+  that keeps up, the arrival rate × the mean time in vLLM of the interval's answers (`keeps_up`), and
+  no down step or hold goes below it for `SCORES_KEPT` memories. This wins over `too_high`: a growing
+  backlog costs every later request its TTFT, a batch above the TPOT knee a part of each TPOT. On the
+  goodput proof's CPU open loop at 0.57 req/s the cap walked to 3 and tunerd served 0.30× vLLM's
+  defaults (docs/benchmarks.md); on the H200 at 8 req/s caps of 9–12 answered 5.2–6.2/s and the door's
+  queue reached 121 (docs/gpu.md, the fifth lease). A closed loop's backlog cannot grow (a client
+  sends after its answer): the rule never fires there.
 - **Out of reach, it holds what served best.** When the targets are missed upstream even where no down
   step is left, a smaller batch bought nothing on the way down: the controller goes back to the cap that
   served the most good requests a second (on a tie, the most answers a second) among those it judged in
@@ -68,6 +79,7 @@ all of them.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
@@ -131,6 +143,7 @@ class LimitState:
     cannot_meet: bool = False
     too_high: int | None = None
     too_low: int | None = None
+    keeps_up: int | None = None
     pinned: bool = False  # static because the operator (or `[door] max_in_flight`) fixed it
 
     @property
@@ -147,7 +160,9 @@ class Limiter(Protocol):
 
     def record(self, sample: RequestSample) -> None: ...
 
-    def step(self, now: float, queued: int, in_flight: int = 0) -> LimitChange | None: ...
+    def step(
+        self, now: float, queued: int, in_flight: int = 0, arrived: int | None = None
+    ) -> LimitChange | None: ...
 
     def reset(self, now: float) -> None: ...
 
@@ -169,8 +184,10 @@ class Static:
     def record(self, sample: RequestSample) -> None:
         del sample
 
-    def step(self, now: float, queued: int, in_flight: int = 0) -> LimitChange | None:
-        del now, queued, in_flight
+    def step(
+        self, now: float, queued: int, in_flight: int = 0, arrived: int | None = None
+    ) -> LimitChange | None:
+        del now, queued, in_flight, arrived
         return None
 
     def reset(self, now: float) -> None:
@@ -191,18 +208,21 @@ class Judgment:
     waited: int
     attainment: tuple[float | None, float | None, float | None, float | None]  # all, ttft, tpot, e2e
     wait_share: float | None
+    upstream_s: float | None = None  # the mean time in vLLM (end to end less the door's wait)
 
 
 def judge(samples: list[RequestSample], targets: Targets) -> Judgment:
-    """Attainment overall and per target, and each miss blamed on vLLM (`upstream`) or on the door's wait
-    (`door`: within every target had it not waited). Answered requests only (pure)."""
+    """Attainment overall and per target, each miss blamed on vLLM (`upstream`) or on the door's wait
+    (`door`: within every target had it not waited), and the mean time in vLLM. Answered requests only
+    (pure)."""
     n = good = up = door = waited = 0
     per_target = PerTarget()
-    wait_sum = ttft_sum = 0.0
+    wait_sum = ttft_sum = upstream_sum = 0.0
     for s in samples:
         if not s.ok:
             continue
         n += 1
+        upstream_sum += s.e2e_s - s.wait_s
         verdict = meets(s, targets)
         per_target.add(verdict)
         if s.wait_s >= WAITED_S:
@@ -225,6 +245,7 @@ def judge(samples: list[RequestSample], targets: Targets) -> Judgment:
         waited,
         (good / n if n else None, *shares),  # type: ignore[arg-type]
         wait_sum / ttft_sum if ttft_sum > 0 else None,
+        upstream_sum / n if n else None,
     )
 
 
@@ -270,6 +291,9 @@ class Goodput:
     # cap → (good requests/s, answers/s, judged at, a backlog in the door then): what each cap served
     _scores: dict[int, tuple[float, float, float, bool]] = field(default_factory=dict, init=False)
     _hold: tuple[int, float] | None = field(default=None, init=False)  # (cap, since): out of reach
+    _keeps_up: tuple[int, float] | None = field(default=None, init=False)  # (cap, seen at): Little's law
+    # (at, arrivals so far, queued + in flight) at each judged interval of the last `memory_s`
+    _backlog: deque[tuple[float, int, int]] = field(default_factory=deque, init=False)
     _state: LimitState = field(init=False)
 
     def __post_init__(self) -> None:
@@ -336,10 +360,13 @@ class Goodput:
 
     # -- the step -----------------------------------------------------------------------------------
 
-    def step(self, now: float, queued: int, in_flight: int = 0) -> LimitChange | None:
+    def step(
+        self, now: float, queued: int, in_flight: int = 0, arrived: int | None = None
+    ) -> LimitChange | None:
         """At most once per `interval_s`: judge the fresh samples and move the cap (or not). `queued`:
         requests waiting in the door now; `in_flight`: forwarded and not yet answered (0: none, or not
-        known — then every down step is from the cap). Called often: each call's `in_flight` counts."""
+        known — then every down step is from the cap); `arrived`: the door's arrivals so far (None: not
+        known — then the cap is not kept up with them). Called often: each call's `in_flight` counts."""
         self.now = now
         self._peak = max(self._peak, in_flight)
         if now - self._interval_start < self.interval_s:
@@ -366,6 +393,10 @@ class Goodput:
         cap = self._limit
         peak, self._peak = self._peak, in_flight
         self._scores[cap] = (j.good / elapsed, j.n / elapsed, now, queued > 0)
+        need = self._behind(now, arrived, queued, in_flight, j.upstream_s)
+        if need is not None:
+            self._keeps_up = (need, now)
+            self._publish_memory()
         if attained >= self.attainment:
             self._hold = None
             self._good = (cap, now) if self._good is None or self._good[0] <= cap else self._good
@@ -379,6 +410,8 @@ class Goodput:
                 ", requests wait in the door" if held_back else ""
             )
             self._publish(j, "met", False)
+            if need is not None and need > new:
+                return self._move(need, now, f"{why}; {self._behind_why(need)}")
             return self._move(new, now, why)
         if j.misses_upstream > j.misses_door:
             # What missed is the concurrency that ran, not a cap above it: remembered as 128 with ~8 in
@@ -394,6 +427,11 @@ class Goodput:
                 f"missed ({attained:.1%} < {self.attainment:.0%}), {j.misses_upstream} of "
                 f"{j.misses_upstream + j.misses_door} misses upstream"
             )
+            if need is not None and need > cap:
+                # Out of the cap's reach: a batch that keeps up misses upstream. Only a restart knob (a
+                # smaller batch that runs faster, more KV cache) or more capacity can meet both.
+                self._publish(j, "upstream", True)
+                return self._move(need, now, f"{missed}; {self._behind_why(need)}")
             if self._hold is not None and self._hold[0] == cap:
                 self._publish(j, "upstream", True)
                 return None  # out of reach: held where it served best
@@ -416,8 +454,42 @@ class Goodput:
             f"missed ({attained:.1%} < {self.attainment:.0%}), {j.misses_door} of "
             f"{j.misses_upstream + j.misses_door} misses only by the door's wait: never a lower cap"
         )
+        if need is not None and need > new:
+            new, why = need, f"{why}; {self._behind_why(need)}"
         self._publish(j, "door", new == cap)
         return self._move(new, now, why)
+
+    def _behind(
+        self, now: float, arrived: int | None, queued: int, in_flight: int, upstream_s: float | None
+    ) -> int | None:
+        """The concurrency that answers requests as fast as they arrive, when the door falls behind them:
+        its backlog (queued + in flight) grew over the last `memory_s` by more than 2√arrivals (the
+        arrivals' Poisson noise, two sigma) with requests waiting in the door. By Little's law the
+        arrival rate of that window × the mean time in vLLM of this interval's answers, clamped to the
+        bounds (a larger batch's requests take no less: met again, it rises to where the two agree).
+        None when the door keeps up or the arrivals are not known. A closed loop's backlog cannot grow:
+        its clients send only after an answer."""
+        if arrived is None or upstream_s is None:
+            return None
+        seen = self._backlog
+        seen.append((now, arrived, queued + in_flight))
+        while len(seen) > 2 and now - seen[0][0] > self.memory_s:
+            seen.popleft()
+        then, arrived_then, backlog_then = seen[0]
+        arrivals = arrived - arrived_then
+        if queued == 0 or queued + in_flight - backlog_then <= 2 * math.sqrt(arrivals):
+            return None
+        return self._clamp(math.ceil(arrivals / (now - then) * upstream_s))
+
+    def _behind_why(self, need: int) -> str:
+        then, arrived_then, backlog_then = self._backlog[0]
+        now, arrived, backlog = self._backlog[-1]
+        rate = (arrived - arrived_then) / (now - then)
+        return (
+            f"the door's backlog grew from {backlog_then} to {backlog} in {now - then:.0f} s: cap "
+            f"{self._limit} answers fewer than the {rate:.2f} arriving a second; up to {need}, the "
+            "concurrency that keeps up (Little's law: arrivals × time in vLLM)"
+        )
 
     def _up(self, cap: int) -> int:
         top = self.ceiling
@@ -439,7 +511,10 @@ class Goodput:
         mine = self._scores.get(cap)
         if mine is None:
             return None
-        alike = {c: score for c, score in self._scores.items() if score[3] == mine[3]}
+        floor = self._keeps_up[0] if self._keeps_up is not None else 0
+        alike = {c: score for c, score in self._scores.items() if score[3] == mine[3] and c >= floor}
+        if not alike:
+            return None
         if mine[3]:
             # Under a backlog only answers drain it: a cap that answers fewer leaves more waiting, and every
             # waiting request's TTFT grows. On the H200's open loop at 8 req/s the holds went to caps 12,
@@ -454,11 +529,13 @@ class Goodput:
 
     def _down(self, cap: int, peak: int = 0) -> int:
         """The next cap down: ×`decrease` of the cap, or of `peak` (the most in flight in the interval)
-        when that was below it; never below `low`, the largest cap that missed by the door's wait, or
-        the largest seen meeting the targets."""
+        when that was below it; never below `low`, the largest cap that missed by the door's wait, the
+        cap that keeps up with the arrivals, or the largest seen meeting the targets."""
         bottom = self.low
         if self._too_low is not None:
             bottom = max(bottom, self._too_low[0] + 1)
+        if self._keeps_up is not None:
+            bottom = max(bottom, self._keeps_up[0])
         if self._good is not None and self._good[0] < cap:
             bottom = max(bottom, self._good[0])
         binding = cap if peak <= 0 else min(cap, peak)
@@ -468,8 +545,9 @@ class Goodput:
     def _forget_curve(self) -> None:
         """Forget what was learnt of the latency curve (a restart, new bounds or targets): the caps seen
         missing and meeting, what each cap served, and a hold."""
-        self._too_high = self._too_low = self._good = None
+        self._too_high = self._too_low = self._good = self._keeps_up = None
         self._scores, self._hold = {}, None
+        self._backlog.clear()
         self._publish_memory()
 
     def _forget(self, now: float) -> None:
@@ -477,6 +555,11 @@ class Goodput:
             seen = getattr(self, name)
             if seen is not None and now - seen[1] > self.memory_s:
                 setattr(self, name, None)
+        if self._keeps_up is not None and now - self._keeps_up[1] > SCORES_KEPT * self.memory_s:
+            # Kept as long as the scores: an open loop's rate changes slowly, and a cap above it binds
+            # nothing there (what runs is arrivals × time in vLLM). Forgotten sooner, the walk went
+            # below it again and the backlog grew for a minute each time (tests/unit/test_door_limit.py).
+            self._keeps_up = None
         self._scores = {c: v for c, v in self._scores.items() if now - v[2] <= SCORES_KEPT * self.memory_s}
         if self._hold is not None and now - self._hold[1] > HOLD_MEMORIES * self.memory_s:
             self._hold = None
@@ -489,6 +572,7 @@ class Goodput:
             self._state,
             too_high=self._too_high[0] if self._too_high is not None else None,
             too_low=self._too_low[0] if self._too_low is not None else None,
+            keeps_up=self._keeps_up[0] if self._keeps_up is not None else None,
         )
 
     def _move(self, new: int, now: float, why: str) -> LimitChange | None:
@@ -522,6 +606,7 @@ class Goodput:
             cannot_meet=cannot_meet,
             too_high=self._too_high[0] if self._too_high is not None else None,
             too_low=self._too_low[0] if self._too_low is not None else None,
+            keeps_up=self._keeps_up[0] if self._keeps_up is not None else None,
         )
 
     def state(self) -> LimitState:

@@ -147,12 +147,18 @@ class DoorLink:
     def lost_caps(self) -> tuple[LostCap, ...]:
         """The concurrency the steered cap lost under the load in force (read by tune/proposer.py: a
         max_num_seqs at or below it is not tried): door/limit.py's `too_low`, the largest cap whose requests
-        missed the targets only by the door's wait, remembered for its `memory_s` and forgotten at a restart.
-        None while the cap is pinned or not steered. A snapshot of the door's thread: never blocks."""
+        missed the targets only by the door's wait, and one below its `keeps_up`, the cap that answers as
+        fast as requests arrive; each remembered for its `memory_s` and forgotten at a restart. None while
+        the cap is pinned or not steered. A snapshot of the door's thread: never blocks."""
         state = self.door.limit_state()
-        if state.mode != "steered" or state.too_low is None:
+        if state.mode != "steered":
             return ()
-        return (LostCap(state.too_low, "its requests missed the targets only by the door's wait"),)
+        lost = []
+        if state.too_low is not None:
+            lost.append(LostCap(state.too_low, "its requests missed the targets only by the door's wait"))
+        if state.keeps_up is not None and state.keeps_up > 1:
+            lost.append(LostCap(state.keeps_up - 1, "it answered fewer requests than arrived"))
+        return tuple(lost)
 
     def set_model_dir(self, model: str) -> None:
         if Path(model).is_dir():  # a repo id has no local tokenizer: prompt lengths are left to vLLM
