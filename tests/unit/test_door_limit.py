@@ -474,13 +474,17 @@ def test_the_move_to_keep_up_says_why_and_a_restart_forgets_it() -> None:
 
 
 def test_a_closed_loop_never_reads_as_falling_behind() -> None:
-    # A closed loop's backlog cannot grow (a client sends after its answer): the door's arrivals passed
-    # beside it change nothing in the walk of test_out_of_reach_it_goes_back_to_the_cap_that_served_best.
+    # A closed loop's backlog cannot grow (a client sends after its answer), and clients joining raise it
+    # once, a step: the door's arrivals passed beside it change nothing in the walk of
+    # test_out_of_reach_it_goes_back_to_the_cap_that_served_best, with 32 clients joining the 32 at 50 s.
     def walk(known: bool) -> list[int]:
         clock = FakeClock()
         limiter = steered(clock, Targets(tpot_s=0.020), low=3, high=16)
-        loop, arrived, caps = ServingLoop(32, linear(0.04, 0.001)), 0, []
-        for _ in range(40):
+        loop, arrived, caps = ServingLoop(32, linear(0.04, 0.001)), 32, []
+        for i in range(40):
+            if i == 10:
+                loop.clients += 32
+                arrived += 32
             answers = loop.answers(limiter)
             queued = loop.feed(limiter, clock())
             arrived += answers  # each answer's client sends again

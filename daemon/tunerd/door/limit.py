@@ -51,15 +51,16 @@ vLLM's TTFT p95 from 2.08 s to 0.018 s while the clients' TTFT p95 rose from 1.1
   more KV cache) or more capacity can help: the tuner tries restart knobs only then (tune/proposer.py).
 - **It keeps up with the arrivals** (Little's law; `step`'s `arrived`, the door's count of arrivals).
   When the door's backlog (queued + in flight) grew over the last `memory_s` by more than 2√arrivals
-  (two sigma of the arrivals' Poisson noise) with requests waiting in the door, the cap answers fewer
-  requests than arrive, and each one behind misses its TTFT by more. The cap goes up to the concurrency
-  that keeps up, the arrival rate × the mean time in vLLM of the interval's answers (`keeps_up`), and
-  no down step or hold goes below it for `SCORES_KEPT` memories. This wins over `too_high`: a growing
-  backlog costs every later request its TTFT, a batch above the TPOT knee a part of each TPOT. On the
-  goodput proof's CPU open loop at 0.57 req/s the cap walked to 3 and tunerd served 0.30× vLLM's
-  defaults (docs/benchmarks.md); on the H200 at 8 req/s caps of 9–12 answered 5.2–6.2/s and the door's
-  queue reached 121 (docs/gpu.md, the fifth lease). A closed loop's backlog cannot grow (a client
-  sends after its answer): the rule never fires there.
+  (two sigma of the arrivals' Poisson noise), in each half of it, with requests waiting in the door,
+  the cap answers fewer requests than arrive, and each one behind misses its TTFT by more. The cap goes
+  up to the concurrency that keeps up, the arrival rate × the mean time in vLLM of the interval's
+  answers (`keeps_up`), and no down step or hold goes below it for `SCORES_KEPT` memories. This wins
+  over `too_high`: a growing backlog costs every later request its TTFT, a batch above the TPOT knee a
+  part of each TPOT. On the goodput proof's CPU open loop at 0.57 req/s the cap walked to 3 and tunerd
+  served 0.30× vLLM's defaults (docs/benchmarks.md); on the H200 at 8 req/s caps of 9–12 answered
+  5.2–6.2/s and the door's queue reached 121 (docs/gpu.md, the fifth lease). A closed loop's backlog
+  cannot grow (a client sends after its answer), and clients joining raise it once, in one half of the
+  window: the rule does not fire there.
 - **Out of reach, it holds what served best.** When the targets are missed upstream even where no down
   step is left, a smaller batch bought nothing on the way down: the controller goes back to the cap that
   served the most good requests a second (on a tie, the most answers a second) among those it judged in
@@ -463,21 +464,25 @@ class Goodput:
         self, now: float, arrived: int | None, queued: int, in_flight: int, upstream_s: float | None
     ) -> int | None:
         """The concurrency that answers requests as fast as they arrive, when the door falls behind them:
-        its backlog (queued + in flight) grew over the last `memory_s` by more than 2√arrivals (the
-        arrivals' Poisson noise, two sigma) with requests waiting in the door. By Little's law the
-        arrival rate of that window × the mean time in vLLM of this interval's answers, clamped to the
-        bounds (a larger batch's requests take no less: met again, it rises to where the two agree).
-        None when the door keeps up or the arrivals are not known. A closed loop's backlog cannot grow:
-        its clients send only after an answer."""
+        with requests waiting in the door, its backlog (queued + in flight) grew over the last `memory_s`
+        by more than 2√arrivals (two sigma of the arrivals' Poisson noise), and grew in each half of it.
+        By Little's law the arrival rate of that window × the mean time in vLLM of this interval's
+        answers, clamped to the bounds (a larger batch's requests take no less: met again, it rises to
+        where the two agree). None when the door keeps up or the arrivals are not known.
+
+        A closed loop's backlog cannot grow: its clients send only after an answer. More clients joining
+        one raise it once, a step (in one half of the window), not a climb (in both)."""
         if arrived is None or upstream_s is None:
             return None
         seen = self._backlog
         seen.append((now, arrived, queued + in_flight))
-        while len(seen) > 2 and now - seen[0][0] > self.memory_s:
+        while len(seen) > 3 and now - seen[0][0] > self.memory_s:
             seen.popleft()
-        then, arrived_then, backlog_then = seen[0]
+        if queued == 0 or len(seen) < 3:
+            return None
+        (then, arrived_then, first), (_, _, middle) = seen[0], seen[len(seen) // 2]
         arrivals = arrived - arrived_then
-        if queued == 0 or queued + in_flight - backlog_then <= 2 * math.sqrt(arrivals):
+        if not first < middle < queued + in_flight or queued + in_flight - first <= 2 * math.sqrt(arrivals):
             return None
         return self._clamp(math.ceil(arrivals / (now - then) * upstream_s))
 
