@@ -1,5 +1,5 @@
-"""The benchmark probe, the off-peak cache reset, exploration, the tuning memory and the 30 % rule on the
-probe, on real vLLM (CPU build), in CI.
+"""The benchmark probe, the off-peak cache reset, exploration and the 30 % rule on the probe, on real
+vLLM (CPU build), in CI.
 
 The tiny model, on the tiny daemon the engine tier shares (conftest.tiny_daemon):
 1. The first start's baseline gets the probe's figures; `tunerd probe` five times: the spread of the
@@ -11,8 +11,9 @@ The "small" model of the KV case (the engine, not the API server, bounds it on 2
 one max_num_seqs 2 and 4 measure the same, within noise):
 3. `tunerd explore max_num_seqs` from 2 over the values 2, 4 and the midpoint 3: it prints its plan,
    restarts vLLM once per point and once more to the best unless that was the last point measured, and
-   the best becomes last-known-good and the new baseline. A second exploration under the same load
-   knows every point from the tuning memory: no restart.
+   the best becomes last-known-good and the new baseline. (That a second exploration knows every point
+   from the tuning memory is tests/integration/test_probe_daemon.py's: here it cost one to two minutes
+   of the suite's critical path, a probe and, when noise reordered the two points, a restart.)
 4. A heavy live load beside the periodic probe drops its throughput below 70 % of the baseline: the
    shipped `probe-below-baseline` rule fires (its revert has no kept change to undo: an alert).
 
@@ -116,7 +117,7 @@ def probe_and_reset(daemon: Daemon, figures: Callable[[str], None]) -> None:
     assert reset["before"]["host.mem_available_bytes"] and reset["after"]["host.mem_available_bytes"]
 
 
-def test_exploration_the_tuning_memory_and_the_probe_rule_on_the_small_model(
+def test_exploration_and_the_probe_rule_on_the_small_model(
     tmp_path: Path, small_model: Path, vllm_cache: dict[str, str], figures: Callable[[str], None]
 ) -> None:
     (tmp_path / "rules.toml").write_text(probe_rule(for_s=5))
@@ -158,34 +159,19 @@ def test_exploration_the_tuning_memory_and_the_probe_rule_on_the_small_model(
             )
 
         wait_until(settled, 60, f"max_num_seqs {best} in force and known good")
+        # The best point's baseline (the probe's, idle) before the heavy load below: taken under that load,
+        # the baseline was the load's own (CI: 5.95 tok/s after 43 s) and the 30 % rule fired on noise, two
+        # minutes later (3.97 against a threshold of 4.17).
         daemon.wait_record(
             lambda r: r["event"] == "baseline.recorded" and "exploration" in r["why"],
             timeout=UP_S,  # after the probe's runs on the best point: minutes on a slow box
             after_seq=one["seq"],
         )
-        tunerd(daemon, "explore", "max_num_seqs")
-        two = finished(daemon)[-1]
-        # The memory knows every point: none is measured again. The one configuration measured afresh is
-        # the one in force, so noise can make a known neighbour beat it: one restart to go there, no more.
-        again = [
-            r for r in daemon.records() if r["event"] == "explore.point" and r["explore"] == two["explore"]
-        ]
-        assert not again, again
-        moved = two["best"] != {"max_num_seqs": best}
-        assert two["restarts"] == int(moved) < one["restarts"], daemon.dump()
-        # Its best point's baseline (the probe's, idle) before the heavy load below: taken under that load,
-        # the baseline was the load's own (CI: 5.95 tok/s after 43 s) and the 30 % rule fired on noise, two
-        # minutes later (3.97 against a threshold of 4.17).
-        daemon.wait_record(
-            lambda r: r["event"] == "baseline.recorded" and "exploration" in r["why"],
-            timeout=UP_S,
-            after_seq=two["seq"],
-        )
         measured = ", ".join(f"{p['value']}: {p['objective']:.0f} tok/s" for p in points)
         figures(
             f"$ tunerd explore max_num_seqs\n{first}\n"
-            f"exploration from 2 ({started['objective']:.0f} tok/s): {measured}; best {best};\n"
-            f"  {one['restarts']} restarts, then {two['restarts']} with the tuning memory ({two['best']})"
+            f"exploration from 2 ({started['objective']:.0f} tok/s): {measured}; best {best}; "
+            f"{one['restarts']} restarts"
         )
 
         # The probe's 30 % rule: a heavy live load makes the periodic probe slow.
