@@ -18,6 +18,7 @@ from tunerd.cli.status import render_status
 from tunerd.core.slo import Targets
 from tunerd.door import DoorLimit, LimitState
 from tunerd.door import door as door_module
+from tunerd.door.limit import Goodput, LimitChange
 from tunerd.records.journal import read_records
 from tunerd.supervisor import Supervisor
 
@@ -53,6 +54,31 @@ def test_the_door_steers_its_cap_down_from_the_requests_it_answers() -> None:
                 "tunerd_door_max_in_flight_changes_total", {"by": "steered"}
             )
             assert changes == 1
+
+    run(scenario)
+
+
+def test_the_door_gives_its_controller_the_arrivals_it_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The keep-up rule (door/limit.py) reads the door's count of arrivals beside its backlog.
+    seen: list[int | None] = []
+    step = Goodput.step
+
+    def spy(
+        self: Goodput, now: float, queued: int, in_flight: int = 0, arrived: int | None = None
+    ) -> LimitChange | None:
+        seen.append(arrived)
+        return step(self, now, queued, in_flight, arrived)
+
+    monkeypatch.setattr(Goodput, "step", spy)
+
+    async def scenario() -> None:
+        async with rig(steer_interval_s=0.01, steer_min_samples=3) as r:
+            r.door.set_limit_bounds(1, 8)
+            r.door.set_targets(Targets(ttft_s=1e-6), 0.95)
+            await until(lambda: r.door.limit_state().mode == "steered", "steering")
+            for n in range(3):
+                await r.complete(n)
+            await until(lambda: seen and seen[-1] == 3, "the three arrivals in the controller's step")
 
     run(scenario)
 
