@@ -23,6 +23,7 @@ import json
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
@@ -116,11 +117,11 @@ def test_no_client_request_is_lost_across_a_tuning_restart_or_an_engine_crash(
             assert stopped and all(s["seq"] > drained[0]["seq"] for s in stopped)
             assert released and sum(r["waiting"] for r in released) >= 1  # clients were held, then let go
 
-            # 2. The engine core killed under the same load, with a long stream mid-answer at vLLM. The
-            # client's first token can come after vLLM has generated all 480 (CI: its API server seconds
-            # behind the engine core on the busy box; the stream then ended whole): the kill cut nothing
-            # of it, and a second attempt kills the new engine under a new long stream (two kills stay
-            # under the daemon's max_failures of 3).
+            # 2. The engine core killed under the same load, with a long stream mid-answer at vLLM: the core
+            # throttled until the client has its first token (mid_answer). Unthrottled, the client's first
+            # token came after vLLM had generated all 480 (CI: its API server seconds behind the engine
+            # core on the busy box) and the kill cut nothing; a second attempt, under a new long stream,
+            # stays for a miss all the same (two kills stay under the daemon's max_failures of 3).
             cut: dict[str, Any] = {}
             for _ in range(2):
                 first_token = threading.Event()
@@ -146,23 +147,43 @@ def test_no_client_request_is_lost_across_a_tuning_restart_or_an_engine_crash(
     )
 
 
-def mid_answer(first_token: threading.Event, long: Future[dict[str, Any]]) -> bool:
-    """The long stream has its first token and has not ended (a wait of up to 120 s for the token)."""
-    return first_token.wait(120) and not long.done()
+# The engine core runs this long at a time while the long stream waits for its first token, stopped
+# (SIGSTOP) between slices while the API server hands on what it made. Unthrottled, CI's API server ran
+# seconds behind the core, and all 480 tokens were made before the client saw the first: the kill cut
+# nothing (fresh-clone runs 18 and 21, twice in a row in 21). Throttled, a slice makes a few tokens.
+SLICE_S, CATCH_UP_S = 0.05, 0.5
 
 
-def killed_core(daemon: Daemon, mid_answer: Callable[[], bool]) -> bool:
-    """SIGKILL vLLM's engine core once `mid_answer()` (a wait) says a request is being generated: noticed
+def mid_answer(first_token: threading.Event, long: Future[dict[str, Any]], core: int) -> bool:
+    """The long stream has its first token and has not ended, and vLLM's engine core `core` is stopped
+    (SIGSTOP; a SIGKILL ends it all the same). It runs `SLICE_S` at a time until then, stopped for up to
+    `CATCH_UP_S` between slices. False, with the core running again, when the stream ended or no token
+    came within 120 s."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        os.kill(core, signal.SIGSTOP)
+        if first_token.wait(CATCH_UP_S):
+            if not long.done():
+                return True
+            break
+        os.kill(core, signal.SIGCONT)
+        first_token.wait(SLICE_S)  # the core's slice: over early once the token is there
+    os.kill(core, signal.SIGCONT)
+    return False
+
+
+def killed_core(daemon: Daemon, mid_answer: Callable[[int], bool]) -> bool:
+    """SIGKILL vLLM's engine core once `mid_answer(core)` (a wait) says a request is being generated: noticed
     from vLLM itself (its EngineDeadError lines, or its API server's exit with 0), not from failed health
     checks (how fast: bench/detection_latency.py --scenario engine-kill); every process of the old tree
     reaped, the worker included; a retry that serves. The processes are looked up before the wait, so
-    that the kill follows it within a system call. False, and nothing killed, when `mid_answer()` says
-    no request is mid-answer."""
+    that the kill follows it within a system call. False, and nothing killed, when `mid_answer(core)`
+    says no request is mid-answer."""
     old_tree = daemon.marked_pids()
     core = next(pid for pid in old_tree if getattr(procfs.read_stat(pid), "comm", "") == "VLLM::EngineCor")
     api_server = daemon.status()["engine"]["pid"]
     after = daemon.last_seq()
-    if not mid_answer():
+    if not mid_answer(core):
         return False
     os.kill(core, signal.SIGKILL)
     failed = daemon.wait_event("engine.failed", timeout=120, after_seq=after)
