@@ -510,3 +510,32 @@ def test_a_closed_loop_never_reads_as_falling_behind() -> None:
         return caps
 
     assert walk(known=True) == walk(known=False)
+
+
+def test_behind_the_arrivals_the_hold_ranks_the_caps_that_keep_up_by_good_answers_not_answers() -> None:
+    # The H100's open loop at 8 req/s (docs/gpu.md, the sixth lease): once the door had fallen behind, the
+    # hold went twice to no cap for the most answers a second (9.20, judged while it drained a queue) over
+    # caps 13-16 that had met the targets; no cap then preempted and missed TPOT.
+    clock = FakeClock()
+    limiter = steered(clock, Targets(ttft_s=3.0, tpot_s=0.012), low=1, high=64, start=64)
+    arrived = 0
+
+    def interval(good: int, bad: int, backlog: int = 20, arrivals: int = 30) -> None:
+        """`good` answers within the targets and `bad` missing TPOT; `backlog` queued and in flight."""
+        nonlocal arrived
+        for i in range(good + bad):
+            limiter.record(sample(clock() + 0.01, tpot=0.01 if i < good else 0.05))
+        arrived += arrivals
+        clock.advance(limiter.interval_s)
+        limiter.step(clock(), backlog - 20, 20, arrived)
+
+    for backlog in (30, 60, 90):  # behind: met at the ceiling, and a queue that climbs
+        interval(good=20, bad=0, backlog=backlog, arrivals=50)
+    assert limiter.limit == 64 and limiter.state().keeps_up == 11  # 10 arriving a second × 1.04 s
+    interval(good=4, bad=36)  # no cap, the queue gone: the most answers a second (8.0), 10 % good
+    assert limiter.limit == 15  # ×0.75 of the 20 in flight
+    interval(good=27, bad=3)  # 90 % good: 5.4 good/s, 6.0 answers/s
+    assert limiter.limit == 11  # no lower than the cap that keeps up
+    interval(good=10, bad=20)  # out of reach at the floor: back to what served best among those above it
+    assert limiter.limit == 15, limiter.state().last_why
+    assert "back to the cap that served best, 15 (5.40 good/s, 6.00 answers/s)" in limiter.state().last_why

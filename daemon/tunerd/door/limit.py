@@ -65,9 +65,8 @@ vLLM's TTFT p95 from 2.08 s to 0.018 s while the clients' TTFT p95 rose from 1.1
   step is left, a smaller batch bought nothing on the way down: the controller goes back to the cap that
   served the most good requests a second (on a tie, the most answers a second) among those it judged in
   the last `SCORES_KEPT` memories with the door as it is now (a backlog waiting, or none) — once the
-  door fell behind the arrivals, only among the caps that keep up and answered within `DRAINS_ALIKE` of
-  the most answers a second, since only answers drain a growing backlog — and holds it for
-  `HOLD_MEMORIES` memories unless the targets are met or the door's wait is what misses. Without
+  door fell behind the arrivals, only among the caps that keep up — and holds it for `HOLD_MEMORIES`
+  memories unless the targets are met or the door's wait is what misses. Without
   this it stayed at the floor, where every request missed anyway and a tenth of the answers came (the
   goodput proof's CPU run: the cap at 3 of 16, 0 % in every window, throughput and the clients' TTFT
   collapsed).
@@ -97,9 +96,6 @@ WAITED_S = 0.001
 # `min_samples`), and a hold re-checks the floor no more than every few minutes.
 SCORES_KEPT = 10
 HOLD_MEMORIES = 5
-# Behind the arrivals a cap answering within this share of the most answers a second drains about as fast:
-# one interval's answer rate, from 10 or more answers, is not known closer than that.
-DRAINS_ALIKE = 0.9
 
 
 @dataclass(frozen=True, slots=True)
@@ -507,26 +503,23 @@ class Goodput:
 
     def _best_served(self, cap: int) -> int | None:
         """The judged cap that served strictly more than `cap` (good/s, then answers/s) with the door as
-        `cap` was judged — both with a backlog waiting in the door, or both without — or None; once the
-        door fell behind the arrivals, only among the caps that keep up (`keeps_up`) and answered within
-        `DRAINS_ALIKE` of the most. What a cap served from an empty queue is not what it serves under a
-        backlog: on the H200's open loop the uncapped configuration's first seconds (7.6 good/s, nothing
-        queued) outranked every cap judged minutes later with ~100 requests queued, and the hold went back
-        to vLLM's defaults, to preemption and a restart trial (docs/gpu.md, the fourth lease)."""
+        `cap` was judged — both with a backlog waiting in the door, or both without — and, once the door
+        fell behind the arrivals, at or above the cap that keeps up (`keeps_up`); or None. What a cap
+        served from an empty queue is not what it serves under a backlog: on the H200's open loop the
+        uncapped configuration's first seconds (7.6 good/s, nothing queued) outranked every cap judged
+        minutes later with ~100 requests queued, and the hold went back to vLLM's defaults, to
+        preemption and a restart trial (docs/gpu.md, the fourth lease). Below `keeps_up` a held cap
+        grows the backlog: on the H200 at 8 req/s the holds went to caps 12, 11 and 9, which answered
+        5.20–6.20 a second (docs/gpu.md, the fifth lease). Answers a second do not rank caps: a cap
+        judged while it drained a queue answers more than arrive (on the H100 at 8 req/s, 9.20 a second
+        at no cap, held twice over caps 13–16 that had met the targets: docs/gpu.md, the sixth lease),
+        and in a closed loop the clients waiting are no backlog that grows (CI's goodput story held cap
+        13 at 0 good/s for its 2.00 answers/s over cap 2, which had met them: fresh-clone run 21)."""
         mine = self._scores.get(cap)
         if mine is None:
             return None
-        alike = {c: score for c, score in self._scores.items() if score[3] == mine[3]}
-        if self._keeps_up is not None:
-            # Behind the arrivals only answers drain the backlog, and every waiting request's TTFT grows. On
-            # the H200's open loop at 8 req/s the holds went to caps 12, 11 and 9 by their good/s (6.20,
-            # 3.20 and 5.00), which answered 6.20, 5.20 and 5.40/s: the queue reached 121 and TTFT p50
-            # 10.8 s (docs/gpu.md, the fifth lease). A closed loop's backlog is its clients waiting, not
-            # growing: there the most answers are no reason — CI's goodput story held cap 13 at 0 good/s
-            # for its 2.00 answers/s over cap 2, which had met the targets (fresh-clone run 21).
-            alike = {c: score for c, score in alike.items() if c >= self._keeps_up[0]}
-            most = max((score[1] for score in alike.values()), default=0.0)
-            alike = {c: score for c, score in alike.items() if score[1] >= DRAINS_ALIKE * most}
+        floor = self._keeps_up[0] if self._keeps_up is not None else 0
+        alike = {c: score for c, score in self._scores.items() if score[3] == mine[3] and c >= floor}
         if not alike:
             return None
         best = max(alike, key=lambda c: alike[c][:2])
