@@ -392,8 +392,7 @@ class Goodput:
         self._scores[cap] = (j.good / elapsed, j.n / elapsed, now, queued > 0)
         need = self._behind(now, arrived, queued, in_flight, j.upstream_s)
         if need is not None:
-            self._keeps_up = (need, now)
-            self._publish_memory()
+            self._keeps_up = (need, now)  # published by the verdict's _publish below
         if attained >= self.attainment:
             self._hold = None
             self._good = (cap, now) if self._good is None or self._good[0] <= cap else self._good
@@ -557,8 +556,9 @@ class Goodput:
                 setattr(self, name, None)
         if self._keeps_up is not None and now - self._keeps_up[1] > SCORES_KEPT * self.memory_s:
             # Kept as long as the scores: an open loop's rate changes slowly, and a cap above it binds
-            # nothing there (what runs is arrivals × time in vLLM). Forgotten sooner, the walk went
-            # below it again and the backlog grew for a minute each time (tests/unit/test_door_limit.py).
+            # nothing there (what runs is arrivals × time in vLLM). Forgotten after 5 memories, the walk
+            # of tests/unit/test_door_limit.py's open loop went below it again every ~6 minutes, and the
+            # backlog grew for a minute each time.
             self._keeps_up = None
         self._scores = {c: v for c, v in self._scores.items() if now - v[2] <= SCORES_KEPT * self.memory_s}
         if self._hold is not None and now - self._hold[1] > HOLD_MEMORIES * self.memory_s:

@@ -147,9 +147,10 @@ class DoorLink:
     def lost_caps(self) -> tuple[LostCap, ...]:
         """The concurrency the steered cap lost under the load in force (read by tune/proposer.py: a
         max_num_seqs at or below it is not tried): door/limit.py's `too_low`, the largest cap whose requests
-        missed the targets only by the door's wait, and one below its `keeps_up`, the cap that answers as
-        fast as requests arrive; each remembered for its `memory_s` and forgotten at a restart. None while
-        the cap is pinned or not steered. A snapshot of the door's thread: never blocks."""
+        missed the targets only by the door's wait (remembered for its `memory_s`), and one below its
+        `keeps_up`, the cap that answers as fast as requests arrive (for `SCORES_KEPT` of them); both
+        forgotten at a restart. None while the cap is pinned or not steered. A snapshot of the door's
+        thread: never blocks."""
         state = self.door.limit_state()
         if state.mode != "steered":
             return ()
