@@ -35,7 +35,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # tiers runs on one worker, in collection order, beside the rest of the suite spread over both.
 # (A scheduler by path, not xdist's `xdist_group` marks: pytest 9.2 derives `nodeid` from `_id`, so
 # xdist 3.8's loadgroup, which renames `_nodeid`, no longer groups anything.)
-# The first prefix that matches names a test's group: the planner's own starts (5 partial vLLM starts that
+# The first prefix that matches names a test's group: the planner's own starts (4 partial vLLM starts that
 # need no other test) and the goodput story (one daemon of its own) run beside the rest of the engine tier,
 # not after it.
 WORKER_GROUPS = (
