@@ -463,7 +463,8 @@ class Goodput:
         by more than 2√arrivals (two sigma of the arrivals' Poisson noise), and grew in each half of it.
         By Little's law the arrival rate of that window × the mean time in vLLM of this interval's
         answers, clamped to the bounds (a larger batch's requests take no less: met again, it rises to
-        where the two agree). None when the door keeps up or the arrivals are not known.
+        where the two agree). None when the door keeps up or the arrivals are not known. Records this
+        interval's point in `_backlog` (called once per judged interval).
 
         A closed loop's backlog cannot grow: its clients send only after an answer. More clients joining
         one raise it once, a step (in one half of the window), not a climb (in both)."""
