@@ -186,12 +186,18 @@ def test_exploration_and_the_probe_rule_on_the_small_model(
         daemon.signal(1)  # SIGHUP: the probe's schedule is reloaded
         daemon.wait_event("config.reloaded", timeout=60)
         url = f"http://127.0.0.1:{sections['engine']['port']}"
-        with ClosedLoopLoad(url, str(small_model), clients=16, prompt_tokens=64, max_tokens=128, seed=5):
+        # 8 clients of 64 tokens queue ahead of the probe's 4 at once: it gets about a third of the batch
+        # (the rule's line is 70 %). 16 of 128 also fired it, but the one probe under them took 2 minutes
+        # of the suite's critical path (fresh-clone CI, 14:17-14:19 UTC on 2026-12-05).
+        with ClosedLoopLoad(url, str(small_model), clients=8, prompt_tokens=64, max_tokens=64, seed=5):
             reloaded = daemon.last_seq()
             fired = daemon.wait_event(
                 "rule.fired", rule="probe-below-baseline", after_seq=reloaded, timeout=UP_S
             )
         term = fired["terms"][0]
         assert term["term"].startswith("probe.throughput") and term["value"] < term["threshold"], fired
+        figures(
+            f"the probe under 8 clients: {term['value']:.1f} tok/s against the rule's {term['threshold']:.1f}"
+        )
         alert = daemon.wait_event("rule.alert", rule="probe-below-baseline", after_seq=fired["seq"])
         assert "no kept change" in alert["reason"]
