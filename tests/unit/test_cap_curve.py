@@ -113,3 +113,23 @@ def test_a_cap_below_the_best_within_its_noise_is_not_worth_a_restart() -> None:
     # A tie buys nothing either: the larger cap ranks first.
     tie = curve_lost_below_best([point(8, 10.0), point(16, 10.0)], Throughput())
     assert tie is not None and tie.value == 8
+
+
+def test_every_curve_of_the_run_counts_not_only_the_last() -> None:
+    # The H100's closed loop (docs/gpu.md, the seventh lease): the curve lost cap 8 against no cap; the
+    # next proposal, 10, won its own curve; with the last curve alone the slot forgot 8, measured it again,
+    # and 8 won that 10 s point: a restart. Every curve of the run is remembered; another run's is not.
+    from tunerd.tune.curve import CurvePoint, CurveSlot
+
+    def point(cap: int, value: float) -> CurvePoint:
+        return CurvePoint(cap, 10.0, value, 0.1, value, None, None, None, None, None)
+
+    slot = CurveSlot()
+    slot.keep(1, [point(8, 0.2), point(1024, 3.9)], Throughput())
+    slot.keep(1, [point(10, 2.2), point(1024, 0.1)], Throughput())
+    lost = slot.lost(1)
+    assert lost is not None and lost.value == 8, lost
+    assert slot.measured(1, 8) and slot.measured(1, 10) and not slot.measured(1, 12)
+    assert slot.expected(1, 8, 1024) is not None and "at 8: 0.2 tok/s" in (slot.expected(1, 8, 1024) or "")
+    slot.keep(2, [point(16, 5.0), point(32, 4.0)], Throughput())
+    assert slot.lost(2) is None and not slot.measured(2, 8) and slot.lost(1) is None

@@ -223,6 +223,19 @@ def test_the_tuner_reads_the_concurrency_the_steered_cap_lost(supervisor: Superv
     assert lost.value == 8 and "fewer requests than arrived" in lost.why
 
 
+def test_the_tuner_reads_the_cap_the_door_steers(supervisor: Supervisor) -> None:
+    # A max_num_seqs at or above the steered cap is not restarted to (tune/proposer.py), and a lower one is
+    # measured against it (tune/tuner.py): the cap in force while steered, none while pinned.
+    link = supervisor.door_link
+    assert link is not None and supervisor.tuner is not None
+    link.door.limit_state = lambda: LimitState("steered", 18, 1, 1024, 5.0, verdict="met")  # type: ignore[method-assign]
+    assert link.steered_cap() == 18
+    door_cap = supervisor.tuner.proposer.door_cap
+    assert door_cap is not None and door_cap() == 18  # wired by the supervisor
+    link.door.limit_state = lambda: LimitState("static", 18, 1, 1024, 0.0, pinned=True)  # type: ignore[method-assign]
+    assert link.steered_cap() is None
+
+
 def test_the_config_sets_the_doors_order_on_time_first_by_the_ttft_target(supervisor: Supervisor) -> None:
     """`[door] order = "on_time_first"` reaches the door's queue as "late after the TTFT target" at every
     reload (door_link.apply_config), and back to arrival order when the order is taken away."""

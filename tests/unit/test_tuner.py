@@ -818,9 +818,10 @@ def test_no_noise_figure_without_polls(tmp_path: Path) -> None:
 class FakeDoor:
     """The door's cap as the tuner's curve moves it: the simulated vLLM runs no more than it at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, steered: int | None = None) -> None:
         self.sim: TunerRig | None = None
         self.calls: list[tuple[str, int | None]] = []
+        self.steered = steered  # the cap the door's controller holds (None: none)
 
     def try_cap(self, cap: int, why: str) -> None:
         assert self.sim is not None
@@ -829,14 +830,21 @@ class FakeDoor:
 
     def restore(self, why: str) -> None:
         assert self.sim is not None
-        self.sim.engine.cap = None
+        self.sim.engine.cap = self.steered
         self.calls.append(("restore", None))
 
+    def steered_cap(self) -> int | None:
+        return self.steered
 
-def curve_tuner(tmp_path: Path, at_16: Perf) -> tuple[TunerRig, FakeDoor]:
-    door = FakeDoor()
-    sim = make_tuner(tmp_path, start_lines=KV_MODEL_START, landscape={**LANDSCAPE, 16: at_16}, door=door)
+
+def curve_tuner(
+    tmp_path: Path, at_16: Perf, steered: int | None = None, more: dict[int, Perf] | None = None
+) -> tuple[TunerRig, FakeDoor]:
+    door = FakeDoor(steered)
+    landscape = {**LANDSCAPE, 16: at_16, **(more or {})}
+    sim = make_tuner(tmp_path, start_lines=KV_MODEL_START, landscape=landscape, door=door)
     door.sim = sim
+    sim.engine.cap = steered
     return sim, door
 
 
@@ -903,3 +911,37 @@ def test_a_cap_that_serves_more_lets_the_restart_go_ahead_with_its_expected_gain
         for note in started["notes"]
     ), started["notes"]
     assert door.calls == [("cap", 16), ("cap", 32), ("restore", None)]
+
+
+def test_a_max_num_seqs_no_lower_than_the_steered_cap_is_not_restarted_to(tmp_path: Path) -> None:
+    # The H100's closed loop (docs/gpu.md, the seventh lease): the door's cap met the targets at 18 while
+    # the KV rule's window still held the preemptions of no cap; its restart to max_num_seqs 8 held 64
+    # clients for 93 s. Here the door steers 16 and the KV model says 16: vLLM runs 16 at once already.
+    sim, door = curve_tuner(tmp_path, LANDSCAPE[16], steered=16)
+    spawns = len(sim.rig.os.spawns)
+    sim.run_until(lambda: bool(sim.rig.records("rule.deferred")))
+    deferred = sim.rig.last("rule.deferred")
+    assert deferred["reason"] == (
+        "max_num_seqs: the door's steered cap runs 16 at once already, no more than max_num_seqs=16 would: "
+        "a restart to it buys nothing the cap does not"
+    ), deferred
+    sim.run_for(600)
+    assert not sim.rig.records("trial.started") and len(sim.rig.os.spawns) == spawns  # no restart
+    assert not sim.rig.records("door.curve.started") and door.calls == []
+    assert not sim.rig.records("rule.exhausted")  # deferred: the cap moves
+
+
+def test_a_lower_max_num_seqs_is_measured_against_the_cap_the_door_steers(tmp_path: Path) -> None:
+    # The door steers 24 (below max_num_seqs 32): the curve compares the KV model's 16 with 24, the
+    # concurrency in force, not with 32, which the door does not let run.
+    sim, door = curve_tuner(tmp_path, Perf(1000.0, 0.0, 0.7), steered=24, more={24: Perf(2900.0, 0.5, 0.97)})
+    sim.run_until(lambda: bool(sim.rig.records("door.curve.finished")))
+    sim.run_for(5)
+    started = sim.rig.last("door.curve.started")
+    assert started["caps"] == [16, 24], started
+    assert started["trigger"].endswith(
+        "measured through the door's cap first, against the cap it steers (24)"
+    )
+    assert door.calls == [("cap", 16), ("cap", 24), ("restore", None)] and sim.engine.cap == 24
+    assert sim.rig.last("door.curve.finished")["best"] == 24
+    assert not sim.rig.records("trial.started")

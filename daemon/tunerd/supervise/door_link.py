@@ -144,6 +144,12 @@ class DoorLink:
             "restart knobs wait until it meets them or cannot"
         )
 
+    def steered_cap(self) -> int | None:
+        """The cap the door's controller steers now (None: pinned, not steered, or no cap): no more than
+        it run in vLLM at once, whatever max_num_seqs is. A snapshot of the door's thread: never blocks."""
+        state = self.door.limit_state()
+        return state.limit if state.mode == "steered" else None
+
     def lost_caps(self) -> tuple[LostCap, ...]:
         """The concurrency the steered cap lost under the load in force (read by tune/proposer.py: a
         max_num_seqs at or below it is not tried): door/limit.py's `too_low`, the largest cap whose requests

@@ -34,11 +34,13 @@ from tunerd.records.recorder import Recorder
 
 class DoorCap(Protocol):
     """The door's cap as a curve moves it (supervise/door_link.DoorLink): set for a measurement, then
-    given back as the operator set it."""
+    given back as the operator set it; and the cap its controller steers now (`steered_cap`)."""
 
     def try_cap(self, cap: int, why: str) -> None: ...
 
     def restore(self, why: str) -> None: ...
+
+    def steered_cap(self) -> int | None: ...
 
 
 class _Phase(Enum):
@@ -290,15 +292,18 @@ class CapCurve:
 
 class CurveSlot:
     """The tuner's one concurrency curve: the curve in progress and the run it measures (a restart of vLLM
-    ends it), and the serving run's last finished curve — what it says a restart of max_num_seqs is
-    expected to gain (`expected_from_curve`) and the largest cap it lost below its best (a concurrency not
-    worth a restart under this load: `curve_lost_below_best`). A curve of an earlier run measured another
-    start: it says nothing of this one."""
+    ends it), and the serving run's finished curves — what they say a restart of max_num_seqs is expected
+    to gain (`expected_from_curve`, the last curve that measured the value) and the largest cap any of
+    them lost below its best (a concurrency not worth a restart under this load: `curve_lost_below_best`).
+    Every curve of the run counts: with the last one alone, the H100's closed loop (docs/gpu.md, the
+    seventh lease) measured cap 8 lost, then cap 10 against no cap, then 8 again — which won that 10 s
+    point — and restarted to it. A curve of an earlier run measured another start: it says nothing of
+    this one."""
 
     def __init__(self) -> None:
         self.curve: CapCurve | None = None
         self._run: int | None = None
-        self._last: tuple[int, tuple[CurvePoint, ...], Objective] | None = None  # (run id, points, goal)
+        self._kept: list[tuple[int, tuple[CurvePoint, ...], Objective]] = []  # (run id, points, goal)
 
     @property
     def busy(self) -> bool:
@@ -309,8 +314,9 @@ class CurveSlot:
         self.curve, self._run = curve, run_id
 
     def keep(self, run_id: int, points: Sequence[CurvePoint], goal: Objective) -> None:
-        """Run `run_id`'s finished curve: its `points`, scored by `goal`."""
-        self._last = (run_id, tuple(points), goal)
+        """Run `run_id`'s finished curve: its `points`, scored by `goal` (an earlier run's are dropped)."""
+        self._kept = [kept for kept in self._kept if kept[0] == run_id]
+        self._kept.append((run_id, tuple(points), goal))
 
     def step(self, now: float, serving_run: int | None) -> bool:
         """Move the curve in progress on: True when it finished now (kept for run `serving_run`); aborted
@@ -328,22 +334,24 @@ class CurveSlot:
         self.curve = None
         return True
 
-    def _of(self, run_id: int | None) -> tuple[tuple[CurvePoint, ...], Objective] | None:
-        last = self._last
-        return (last[1], last[2]) if last is not None and last[0] == run_id else None
+    def _of(self, run_id: int | None) -> list[tuple[tuple[CurvePoint, ...], Objective]]:
+        """Run `run_id`'s finished curves, oldest first."""
+        return [(points, goal) for run, points, goal in self._kept if run == run_id]
 
     def lost(self, run_id: int | None) -> LostCap | None:
-        """The largest cap run `run_id`'s last curve lost below its best (None: none, or no curve)."""
-        last = self._of(run_id)
-        return None if last is None else curve_lost_below_best(*last)
+        """The largest cap any of run `run_id`'s curves lost below its best (None: none, or no curve)."""
+        lost = [cap for curve in self._of(run_id) if (cap := curve_lost_below_best(*curve)) is not None]
+        return max(lost, key=lambda cap: cap.value, default=None)
 
     def measured(self, run_id: int | None, cap: int) -> bool:
-        """Run `run_id`'s last curve measured `cap`."""
-        last = self._of(run_id)
-        return last is not None and cap in (p.cap for p in last[0])
+        """One of run `run_id`'s curves measured `cap`."""
+        return any(cap in (p.cap for p in points) for points, _ in self._of(run_id))
 
     def expected(self, run_id: int | None, cap: int, in_force: int | None) -> str | None:
-        """What the door's cap at `cap` served in run `run_id`'s last curve against the cap at `in_force`,
-        as a proposal's note (None: no such curve, or it did not measure `cap`)."""
-        last = self._of(run_id)
-        return None if last is None else expected_from_curve(*last, cap, in_force)
+        """What the door's cap at `cap` served in the last of run `run_id`'s curves that measured it,
+        against the cap at `in_force`, as a proposal's note (None: no curve of the run measured `cap`)."""
+        for points, goal in reversed(self._of(run_id)):
+            note = expected_from_curve(points, goal, cap, in_force)
+            if note is not None:
+                return note
+        return None

@@ -12,7 +12,10 @@ is the KV cache's arithmetic (policy/first_step.py: how many requests of the win
 holds, rounded down to a CUDA-graph capture size); the rule's factor is the fallback when it has no input
 or lands nowhere useful, and the proposal says which one proposed it (`proposed_by`, `arithmetic`). A
 `max_num_seqs` at or below a concurrency the door's cap already lost under this load (`door_lost`:
-supervise/door_link.py) is not tried — deferred, as the door's memory of it ages out (issue 22).
+supervise/door_link.py) is not tried — deferred, as the door's memory of it ages out (issue 22) —, nor
+one at or above the cap the door steers now (`door_cap`): vLLM runs no more at once than the cap lets
+through, so the restart would change nothing but cost a start (the H100's closed loop, docs/gpu.md's
+seventh lease: the cap met the targets at 18, and a restart to 8 held 64 clients for 93 s).
 """
 
 from __future__ import annotations
@@ -51,12 +54,14 @@ class Proposer:
         config: Callable[[], Config],
         restart_wait: Callable[[], str | None] | None = None,
         door_lost: Callable[[], Sequence[LostCap]] | None = None,
+        door_cap: Callable[[], int | None] | None = None,
     ) -> None:
         self.life = lifecycle
         self.memory = memory
         self._config = config
         self.restart_wait = restart_wait
         self.door_lost = door_lost  # the concurrencies the door's cap lost under this load (non-blocking)
+        self.door_cap = door_cap  # the cap the door steers now, None: none (non-blocking)
 
     @property
     def config(self) -> Config:
@@ -90,6 +95,7 @@ class Proposer:
             proposal = self._step(action, params, running)
             if name == "max_num_seqs" and action.direction == "down":
                 proposal = self._kv_first(rule, params, (window, history), proposal)
+                proposal = self._below_the_steered_cap(proposal)
             if isinstance(proposal, Proposal):
                 return replace(proposal, notes=(*proposal.notes, *reasons))
             reasons.append(f"{name}: {proposal.reason}")
@@ -148,6 +154,18 @@ class Proposer:
         if why_lost is not None:
             return NoProposal(why_lost, exhausted=False)  # the door's memory ages out: deferred
         return step
+
+    def _below_the_steered_cap(self, proposal: Proposal | NoProposal) -> Proposal | NoProposal:
+        """A max_num_seqs at or above the cap the door steers now is deferred (the cap moves): vLLM runs
+        no more at once than the cap lets through."""
+        steered = self.door_cap() if self.door_cap is not None else None
+        if not isinstance(proposal, Proposal) or steered is None or proposal.new < steered:
+            return proposal
+        return NoProposal(
+            f"the door's steered cap runs {steered} at once already, no more than max_num_seqs="
+            f"{proposal.new} would: a restart to it buys nothing the cap does not",
+            exhausted=False,
+        )
 
     def _model(
         self,

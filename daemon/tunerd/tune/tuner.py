@@ -135,7 +135,8 @@ class Tuner:
             by_curve = self.curves.lost(self._serving_run())
             return steered if by_curve is None else (*steered, by_curve)
 
-        self.proposer = Proposer(lifecycle, self.memory, lambda: self.config, restart_wait, lost)
+        steered = door.steered_cap if door is not None else None
+        self.proposer = Proposer(lifecycle, self.memory, lambda: self.config, restart_wait, lost, steered)
         self._trial_ctx = TrialContext(
             config=lambda: self.config,
             lifecycle=lifecycle,
@@ -416,7 +417,7 @@ class Tuner:
         """Run the decided proposal as a trial (in dry-run: journal it only)."""
         proposal, before = decision.proposal, decision.before
         if proposal.param == "max_num_seqs" and isinstance(proposal.new, int):
-            note = self.curves.expected(self._serving_run(), proposal.new, self._max_num_seqs_in_force())
+            note = self.curves.expected(self._serving_run(), proposal.new, self._concurrency_in_force())
             if note is not None:  # what the door's cap at that value served, without a restart
                 proposal = replace(proposal, notes=(*proposal.notes, note))
         if not decision.dry_run and self._curve_first(rule, proposal, before, now):
@@ -504,22 +505,25 @@ class Tuner:
 
     def _curve_first(self, rule: Rule, proposal: Proposal, before: WindowStats, now: float) -> bool:
         """Before a restart that lowers max_num_seqs, with the door on: the door's cap at the new value and
-        at the value in force, measured on this run in seconds a point (no restart), unless this run's
-        curve measured the new value already. The step is proposed again once the curve is over, and is not
-        taken unless the cap at the new value served strictly more (tune/curve.curve_lost_below_best).
-        True when the curve started (the restart waits)."""
+        at the concurrency in force (max_num_seqs, or the door's steered cap where lower), measured on this
+        run in seconds a point (no restart), unless one of this run's curves measured the new value
+        already. The step is proposed again once the curve is over, and is not taken unless the cap at the
+        new value served strictly more (tune/curve.curve_lost_below_best). True when the curve started
+        (the restart waits)."""
         if self.door is None or proposal.param != "max_num_seqs" or not isinstance(proposal.new, int):
             return False
         run = self.life.engine.run
         if run is None or self.curves.measured(run.run_id, proposal.new):
             return False
-        current = self._max_num_seqs_in_force()
+        seqs, current = self._max_num_seqs_in_force(), self._concurrency_in_force()
         if current is None or proposal.new >= current:
             return False
         tuning = self.config.tuning
         trigger = (
-            f"rule {rule.name}: max_num_seqs {current} → {proposal.new} measured through the door's cap first"
+            f"rule {rule.name}: max_num_seqs {seqs} → {proposal.new} measured through the door's cap first"
         )
+        if current != seqs:
+            trigger += f", against the cap it steers ({current})"
         if (
             self.measure_curve(
                 (proposal.new, current), point_s=tuning.window_s / 2, settle_s=5.0, trigger=trigger, now=now
@@ -545,6 +549,15 @@ class Tuner:
         if run.machine is None:
             return None
         return batch_defaults(run.machine.backend, run.machine.memory.gpu_total_bytes)[0]
+
+    def _concurrency_in_force(self) -> int | None:
+        """The most requests vLLM runs at once now: max_num_seqs in force, or the door's steered cap where
+        it is lower (None: unknown)."""
+        seqs = self._max_num_seqs_in_force()
+        steered = self.door.steered_cap() if self.door is not None else None
+        if steered is None:
+            return seqs
+        return steered if seqs is None else min(seqs, steered)
 
     def _after_the_curve(self, now: float) -> None:
         """The curve a rule's step waited on is over: propose the step again (the curve's lost caps and
