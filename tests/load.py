@@ -51,6 +51,9 @@ class LoadStats:
     # token event) / (tokens − 1), None for a one-token answer.
     streamed: list[tuple[float, float, float | None]] = field(default_factory=list)
     answers: list[Answer] = field(default_factory=list)  # the same answers, whole
+    # When each client thread (by name) last had a whole answer (time.monotonic()): a closed loop's client
+    # answered since `t` has no request from before `t` in flight.
+    last_ok_at: dict[str, float] = field(default_factory=dict)
 
 
 class _Load:
@@ -120,6 +123,7 @@ class _Load:
             self.stats.ok += 1
             self.stats.completion_tokens += tokens
             self.stats.latencies_s.append(time.monotonic() - started)
+            self.stats.last_ok_at[threading.current_thread().name] = time.monotonic()
 
     def _streamed(self, client: httpx.Client, body: dict[str, object], started: float) -> None:
         tokens, error, done = 0, False, False
@@ -159,6 +163,7 @@ class _Load:
                 tpot = (last - first) / (tokens - 1) if tokens > 1 else None
                 self.stats.streamed.append((ended, first - started, tpot))
                 self.stats.answers.append(Answer(started, ended, first - started, tpot, tokens))
+                self.stats.last_ok_at[threading.current_thread().name] = ended
             else:
                 self.stats.errors.append(
                     f"stream ended after {tokens} token events, {'with' if done else 'without'} [DONE]"
