@@ -20,7 +20,7 @@ runs (tune/experiment.py); the tuner is its source: it evaluates the rules, asks
 what a fired rule does, proposes the change (`proposer`), and keeps the windows the trial measures.
 The second mode, exploration, is `explorer`'s (started by `explore_triggers`); the probe is
 `prober`'s; the baseline `baseline`'s; the door's concurrency curve `curve.CurveSlot`'s; the fleet's
-proposals `fleet`'s. Over 400 lines (about 590): the rules, the start of a trial and what may run
+proposals `fleet`'s. Over 400 lines (about 610): the rules, the start of a trial and what may run
 beside what (one experiment at a time) read in order as one source of changes; its decisions are the
 policy modules', its memory is `tune.memory`'s.
 """
