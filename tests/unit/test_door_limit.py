@@ -408,6 +408,37 @@ def test_what_missed_upstream_is_remembered_as_the_concurrency_that_ran_not_a_ca
     assert limiter.limit == 7  # halfway to the 8 that missed, not to 128
 
 
+def test_boxed_in_between_the_doors_wait_and_upstream_it_holds_what_served_best() -> None:
+    # The H100's closed loop (docs/gpu.md, the eighth lease): 10 missed upstream, 9 missed by the door's
+    # wait, and the cap sat at 9 for 50 s at 0 good/s while 14 had served 2.80 good/s.
+    clock = FakeClock()
+    limiter = steered(clock, Targets(ttft_s=1.0, tpot_s=0.020), low=1, high=64, start=14)
+
+    def interval(meet: int, upstream: int, door: int) -> None:
+        for _ in range(meet):
+            limiter.record(sample(clock() + 0.01, tpot=0.01))
+        for _ in range(upstream):
+            limiter.record(sample(clock() + 0.01, tpot=0.03))
+        for _ in range(door):
+            limiter.record(sample(clock() + 0.01, wait=2.0, tpot=0.01))
+        clock.advance(limiter.interval_s)
+        limiter.step(clock(), 50, limiter.limit)
+
+    interval(meet=6, upstream=14, door=0)  # 14: 1.2 good/s, most misses upstream
+    assert limiter.limit == 10
+    interval(meet=0, upstream=15, door=0)
+    assert limiter.limit == 7 and limiter.state().too_high == 10
+    interval(meet=0, upstream=0, door=12)  # halfway up to the 10 that missed upstream
+    assert limiter.limit == 9
+    interval(meet=0, upstream=0, door=12)  # no up step left: back to 14, not left at 9
+    state = limiter.state()
+    assert limiter.limit == 14, state.last_why
+    assert state.verdict == "door" and state.cannot_meet
+    assert "back to the cap that served best, 14 (1.20 good/s" in state.last_why
+    interval(meet=6, upstream=14, door=0)  # held there while it misses upstream
+    assert limiter.limit == 14
+
+
 class OpenLoop:
     """Arrivals at `rate` a second that do not wait for answers, against a server whose time per token
     grows with the batch (`tpot(c)`, c = min(cap, the backlog)): a cap that answers fewer grows the door's

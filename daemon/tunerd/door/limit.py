@@ -66,8 +66,9 @@ vLLM's TTFT p95 from 2.08 s to 0.018 s while the clients' TTFT p95 rose from 1.1
   served the most good requests a second (on a tie, the most answers a second) among those it judged in
   the last `SCORES_KEPT` memories with the door as it is now (a backlog waiting, or none) — once the
   door fell behind the arrivals, only among the caps that keep up — and holds it for `HOLD_MEMORIES`
-  memories unless the targets are met or the door's wait is what misses. Without
-  this it stayed at the floor, where every request missed anyway and a tenth of the answers came (the
+  memories unless the targets are met or the door's wait is what misses. The same when the door's wait
+  misses where no up step is left (the cap above missed upstream): boxed in, it holds what served best.
+  Without this it stayed at the floor, where every request missed anyway and a tenth of the answers came (the
   goodput proof's CPU run: the cap at 3 of 16, 0 % in every window, throughput and the clients' TTFT
   collapsed).
 
@@ -452,6 +453,18 @@ class Goodput:
         )
         if need is not None and need > new:
             new, why = need, f"{why}; {self._behind_why(need)}"
+        elif new == cap and (best := self._best_served(cap)) is not None:
+            # Boxed in: the wait misses here and the cap above missed upstream. Staying put serves
+            # nothing: on the H100's closed loop the cap sat 50 s at 9 at 0 good/s, between 9 (the
+            # wait) and 10 (upstream), while 14 had served 2.80 good/s (docs/gpu.md, the eighth lease).
+            self._hold = (best, now)
+            good, answers, _, _ = self._scores[best]
+            why = (
+                f"{why}, and no larger batch left to try: the targets are out of the cap's reach; back to "
+                f"the cap that served best, {best} ({good:.2f} good/s, {answers:.2f} answers/s)"
+            )
+            self._publish(j, "door", True)
+            return self._move(best, now, why)
         self._publish(j, "door", new == cap)
         return self._move(new, now, why)
 
