@@ -196,6 +196,21 @@ def test_new_bounds_bring_the_cap_inside_them() -> None:
         limiter.set_bounds(8, 4, clock())
 
 
+def test_back_to_the_bounds_before_a_trial_the_cap_goes_back_to_what_it_was() -> None:
+    # The H100's closed loop (docs/gpu.md, the seventh lease): the door steered to 18 under max_num_seqs
+    # 1024, a trial's max_num_seqs 8 bounded it to 8, and after the revert it climbed from 8 again.
+    clock = FakeClock()
+    limiter = steered(clock, Targets(tpot_s=0.020), low=1, high=1024, start=18)
+    assert limiter.set_bounds(1, 8, clock()) == LimitChange(18, 8, clock(), "bounds 1..8")
+    change = limiter.set_bounds(1, 1024, clock())
+    assert change is not None and change.new == 18
+    assert change.why == "bounds 1..1024: back to the cap in force under them, 18"
+    # Bounds that are not the last ones keep the cap in force: a kept trial, then another.
+    limiter.set_bounds(1, 8, clock())
+    limiter.set_bounds(1, 16, clock())
+    assert limiter.limit == 8
+
+
 def test_never_lowers_the_cap_when_the_doors_wait_is_what_misses() -> None:
     # The H200's closed loop (issue 21): vLLM's own TTFT is fine at any cap, the clients' TTFT target is
     # missed only by their wait in the door. Capping would only move the queue: the cap only rises.

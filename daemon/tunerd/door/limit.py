@@ -44,7 +44,8 @@ vLLM's TTFT p95 from 2.08 s to 0.018 s while the clients' TTFT p95 rose from 1.1
   or after the change (its whole upstream time ran under the new cap), and, after the upstream came
   back (`reset`), only when it arrived after that (a hold across a restart is not the cap's wait).
 - **Bounds**: `[door] min_in_flight` below; above, the max_num_seqs in force (vLLM runs no more at
-  once: a larger cap changes nothing), or `CEILING` when it is not known.
+  once: a larger cap changes nothing), or `CEILING` when it is not known. Back to the bounds before
+  the last change (a reverted trial), the cap goes back to the one in force under them.
 - **It cannot meet the targets** (`cannot_meet`) when the step it wants is blocked: missing upstream at
   the lower bound (or just above a cap that missed by the door's wait), or missing by the door's wait at
   the upper bound (or just below a cap that missed upstream). Then only a restart knob (a smaller batch,
@@ -292,6 +293,8 @@ class Goodput:
     _keeps_up: tuple[int, float] | None = field(default=None, init=False)  # (cap, seen at): Little's law
     # (at, arrivals so far, queued + in flight) at each judged interval of the last `memory_s`
     _backlog: deque[tuple[float, int, int]] = field(default_factory=deque, init=False)
+    # ((low, high), the cap in force under them) when the bounds last changed: a revert goes back to both
+    _before: tuple[tuple[int, int | None], int] | None = field(default=None, init=False)
     _state: LimitState = field(init=False)
 
     def __post_init__(self) -> None:
@@ -338,15 +341,24 @@ class Goodput:
 
     def set_bounds(self, low: int, high: int | None, now: float) -> LimitChange | None:
         """New bounds (max_num_seqs changed with a restart, or `[door] min_in_flight` by a reload): the
-        cap is brought inside them; the curve's memory is forgotten."""
+        cap is brought inside them; the curve's memory is forgotten. Back to the bounds in force before
+        the last change (a reverted trial), the cap goes back to the one in force under them then: on
+        the H100 the door had steered to 18, a trial's max_num_seqs 8 bounded it to 8, and after the
+        revert it climbed from 8 again (docs/gpu.md, the seventh lease)."""
         if low < 1 or (high is not None and high < low):
             raise ValueError(f"bounds {low}..{high}: need 1 <= low <= high")
         if (low, high) == (self.low, self.high):
             return None  # a reload that changed nothing here: what was learnt stays
+        before, self._before = self._before, ((self.low, self.high), self._limit)
         self.low, self.high = low, high
         self._state = replace(self._state, low=low, high=high)
         self._forget_curve()
-        return self._move(self._clamp(self._limit), now, f"bounds {low}..{high if high is not None else '-'}")
+        why = f"bounds {low}..{high if high is not None else '-'}"
+        if before is not None and before[0] == (low, high):
+            return self._move(
+                self._clamp(before[1]), now, f"{why}: back to the cap in force under them, {before[1]}"
+            )
+        return self._move(self._clamp(self._limit), now, why)
 
     def set_targets(self, targets: Targets, attainment: float) -> None:
         if not targets.any:
