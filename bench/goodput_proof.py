@@ -7,7 +7,7 @@ do, for every contender measured in the same run on the same vLLM build and mode
 
 Real vLLM (CPU build), bench/tuner_vs_sweep.py's engine: the engine tier's "small" random-weight model in
 float32, a 1,920-token KV cache (32 MB), max_model_len 512, so that the batch limits and the cache decide
-what is served. Four seeded workloads (bench/workloads.py; `workloads`); their TTFT and TPOT targets and
+what is served. Five seeded workloads (bench/workloads.py; `workloads`); their TTFT and TPOT targets and
 the open loops' rates come from a rule fixed here before any run, applied to the box's speed as the run's
 first vLLM start measures it (`calibrate`: absolute targets did not carry from an AVX-512 box to an
 AVX2 one). Every figure is the clients' own (tests/load.py's clock).
@@ -15,7 +15,7 @@ AVX2 one). Every figure is the clients' own (tests/load.py's clock).
 Contenders:
 - vLLM's defaults (no batch flag; the grid point (128, 2048));
 - the grid sweep operators run: one bare vLLM start per `max_num_seqs` × `max_num_batched_tokens` point
-  (5 × 4), all four workloads measured on each start one after the other, each scored by goodput;
+  (5 × 4), all five workloads measured on each start one after the other, each scored by goodput;
 - the best static door cap: one `tunerd run` with the defaults, tuning off, the door on, `tunerd door
   --max-in-flight N` for each cap in `CAPS` in turn, no restart (the oracle of the live knob);
 - held on an open loop, for as long as tunerd ran there, each on a start of its own and judged at the end
@@ -36,7 +36,8 @@ counter), vLLM restarts, minutes to the first feasible window (attainment ≥ `A
 
 Results go to `--out` (JSON, saved after every point: `--resume` keeps what is there); bench/report.py
 turns them into docs/benchmarks.md's goodput section and its plots. `--quick` (the defaults and one more
-grid point, one cap, 5 s windows, each tunerd run cut to 90 s) checks every path; its figures mean nothing.
+grid point, one cap, 5 s windows, each tunerd run cut to 40 s, one workload of each kind, shorter
+answers) checks every path; its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -102,14 +103,15 @@ def significant(value: float, digits: int = 2) -> float:
     return float(f"{value:.{digits}g}")
 
 
-def workloads(calibration: dict[str, Any]) -> tuple[Workload, ...]:
-    """The five workloads with the targets and rates the calibration's rule gives."""
+def workloads(calibration: dict[str, Any], s: Settings) -> tuple[Workload, ...]:
+    """The five workloads with the targets and rates the calibration's rule gives, answers of
+    `s.output_tokens`."""
     one = calibration["tpot_1_s"]
     shape: dict[str, Any] = {
         "ttft_s": significant(TTFT_FACTOR * one),
         "tpot_s": significant(TPOT_FACTOR * one),
         "prompt_tokens": PROMPT_TOKENS,
-        "output_tokens": OUTPUT_TOKENS,
+        "output_tokens": s.output_tokens,
     }
     rate = calibration["closed_answers_per_s"]
     return (
@@ -143,6 +145,9 @@ class Settings:
     tunerd_cap_s: float  # … or this long since it served first
     held: tuple[str, ...]  # held beside tunerd's open loops: "held_cap" (the best cap), "held_defaults"
     order: str = "arrival"  # the door's queue order under a goodput objective ([door] order; `--order`)
+    measured: tuple[str, ...] = ()  # the workloads measured (empty: all five)
+    calibration_s: float = CALIBRATION_S
+    output_tokens: tuple[int, int] = OUTPUT_TOKENS
 
 
 # The full run's budget (issue 23: bench/run_all.sh under 2 hours on 2 cores): 20 s windows (one start's
@@ -150,10 +155,18 @@ class Settings:
 # on the workloads the defaults miss for up to 7 minutes each (the quick run took 18 min on a box that
 # also ran the integration tests). With open-mid and the held contenders (2026-12-05) the full run
 # outgrows the 2 hours: about 100 min for the first full run's parts, plus ~2 × 8 min of tunerd and
-# ~4 × 7 min of holds. The quick run holds the best cap only.
+# ~4 × 7 min of holds. The quick run checks paths, not figures: it holds the best cap only, cuts tunerd's
+# run to 40 s, measures one workload of each kind (each workload costs ~17 s on every start: settle,
+# window, the load's drain), calibrates on 15 s windows and asks for answers of 16–64 tokens (a load stops
+# after its requests in flight: up to 192 tokens at ~80 ms each). bench/run_all.sh --quick took 25:39
+# with all five workloads, 90 s runs and full answers (the proof 17 min of it), 21:40 with three
+# workloads and 60 s runs (13 min), against the issue's 20 minutes for the whole (2026-12-05).
 HELD = ("held_cap", "held_defaults")
 FULL = Settings(15.0, 5.0, 20.0, GRID, CAPS, ("closed", "open-mid", "open-high"), 90.0, 420.0, HELD)
-QUICK = Settings(10.0, 3.0, 5.0, QUICK_GRID, QUICK_CAPS, ("open-high",), 30.0, 90.0, HELD[:1])
+QUICK = Settings(
+    10.0, 3.0, 5.0, QUICK_GRID, QUICK_CAPS, ("open-high",), 20.0, 40.0, HELD[:1],
+    measured=("interactive", "closed", "open-high"), calibration_s=15.0, output_tokens=(16, 64),
+)  # fmt: skip
 
 
 def say(text: str) -> None:
@@ -232,7 +245,9 @@ def calibrate(
     model: Path, cache: dict[str, str], s: Settings, results: Results, work: Path
 ) -> dict[str, Any]:
     """One bare start at vLLM's defaults: one stream's TPOT p50 and the closed workload's answers a second
-    (`CALIBRATION_S` each, no targets), kept in the results (`--resume` reuses them)."""
+    (`s.calibration_s` each, no targets), kept in the results (`--resume` reuses them). On the same start,
+    when the grid holds vLLM's defaults and they are not measured yet, the grid's defaults point (one
+    vLLM start fewer in the sweep)."""
     if "calibration" in results.data:
         return results.data["calibration"]
     say("calibration: one stream, then the closed workload, at vLLM's defaults (bare)")
@@ -240,13 +255,30 @@ def calibrate(
         "ttft_s": math.inf,
         "tpot_s": math.inf,
         "prompt_tokens": PROMPT_TOKENS,
-        "output_tokens": OUTPUT_TOKENS,
+        "output_tokens": s.output_tokens,
     }
     lone = Workload("one stream", "closed", clients=1, **unjudged)
     busy = Workload("closed", "closed", clients=CLOSED_CLIENTS, **unjudged)
+    began = time.monotonic()
     with bare_vllm(model, cache, None, work / "vllm-calibrate.log") as url:
-        one = measure(url, url, str(model), lone, s, s.warmup_s, CALIBRATION_S)
-        closed = measure(url, url, str(model), busy, s, s.settle_s, CALIBRATION_S)
+        ready = time.monotonic() - began
+        one = measure(url, url, str(model), lone, s, s.warmup_s, s.calibration_s)
+        closed = measure(url, url, str(model), busy, s, s.settle_s, s.calibration_s)
+        calibration = calibrated(one, closed)
+        results.data["calibration"] = calibration
+        results.save()
+        defaults = {n: DEFAULTS[n] for n in GRID}
+        if defaults in grid_points(s.grid) and key(defaults) not in results.data.get("grid", {}):
+            # The grid's defaults point is this start's configuration: a start of its own would repeat it.
+            say("the grid's defaults point, on the calibration's start")
+            measure_point(
+                url, model, defaults, ready, chosen(workloads(calibration, s), s), s, results, "defaults"
+            )
+    return calibration
+
+
+def calibrated(one: dict[str, Any], closed: dict[str, Any]) -> dict[str, Any]:
+    """The calibration from one stream's and the closed workload's windows (SystemExit: too few answers)."""
     if one["tpot_p50"] is None or not closed["answered"]:
         raise SystemExit(
             f"calibration: too few answers to measure the box (one stream {one}, closed {closed})"
@@ -263,9 +295,12 @@ def calibrate(
     }
     say(f"  one stream: {line(one)}")
     say(f"  closed ({CLOSED_CLIENTS} clients): {line(closed)}")
-    results.data["calibration"] = calibration
-    results.save()
     return calibration
+
+
+def chosen(ws: tuple[Workload, ...], s: Settings) -> tuple[Workload, ...]:
+    """The workloads `s` measures."""
+    return tuple(w for w in ws if not s.measured or w.name in s.measured)
 
 
 # -- the grid sweep (vLLM's defaults are its point (128, 2048), started without the flags) ----------------
@@ -289,14 +324,24 @@ def sweep(
         flags = None if point == {n: DEFAULTS[n] for n in GRID} else point
         with bare_vllm(model, cache, flags, work / "vllm-grid.log") as url:
             ready = time.monotonic() - began
-            figures = {}
-            for index, w in enumerate(ws):
-                figures[w.name] = measure(
-                    url, url, str(model), w, s, s.warmup_s if index == 0 else s.settle_s
-                )
-                say(f"  [{number}/{len(points)}] {key(point)} {w.name}: {line(figures[w.name])}")
-        grid[key(point)] = {"params": point, "start_s": ready, "point_s": time.monotonic() - began, **figures}
-        results.save()
+            measure_point(url, model, point, ready, ws, s, results, f"{number}/{len(points)}")
+
+
+def measure_point(
+    url: str, model: Path, point: dict[str, int], ready: float, ws: tuple[Workload, ...], s: Settings,
+    results: Results, label: str,
+) -> None:  # fmt: skip
+    """Every workload of `ws` in turn on the bare vLLM at `url`, started with `point` `ready` seconds ago,
+    kept as the grid's point (`point_s`: the start and the workloads, what the point costs a sweep)."""
+    began = time.monotonic()
+    figures = {}
+    for index, w in enumerate(ws):
+        figures[w.name] = measure(url, url, str(model), w, s, s.warmup_s if index == 0 else s.settle_s)
+        say(f"  [{label}] {key(point)} {w.name}: {line(figures[w.name])}")
+    point_s = ready + time.monotonic() - began
+    point_figures = {"params": point, "start_s": ready, "point_s": point_s, **figures}
+    results.data.setdefault("grid", {})[key(point)] = point_figures
+    results.save()
 
 
 # -- the static door cap on one start --------------------------------------------------------------------
@@ -616,7 +661,7 @@ def main() -> int:
         )
     say(f"{results.data['machine']}; work dir {root}")
     began = time.monotonic()
-    ws = workloads(calibrate(model, cache, s, results, root))
+    ws = chosen(workloads(calibrate(model, cache, s, results, root), s), s)
     results.data["workloads"] = [w.as_dict() for w in ws]
     for w in ws:
         say(f"  {w.name}: {w.describe()}")

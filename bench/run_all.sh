@@ -7,8 +7,9 @@
 #                                    # not yet timed end to end)
 #   bash bench/run_all.sh --quick    # fewer points, short windows: every path; writes under
 #                                    # $TMPDIR/tunerd-bench-quick, not docs/. Timed 2026-12-05 on 2 cores:
-#                                    # 25 min 39 s (goodput_proof 17 min of it), over the 20-minute target;
-#                                    # poll_cost's 20 s daemon window read 2.05 % of a core (its budget 1.5 %)
+#                                    # 19 min 13 s (goodput_proof 11 min of it; 25:39 before its quick
+#                                    # run shrank); poll_cost's 20 s window read the idle daemon at
+#                                    # 2.05, 1.50 and 2.15 % of a core in three runs (budget 1.5 %)
 #
 # Needs the repository's .venv with vLLM (bash scripts/test.sh or scripts/quickstart.sh makes it);
 # installs the plotting extra (matplotlib) into it when missing. Run nothing else heavy beside it: every
