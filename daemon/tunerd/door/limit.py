@@ -446,14 +446,9 @@ class Goodput:
                 return None  # out of reach: held where it served best
             new = self._down(cap, peak)
             if new == cap and (best := self._best_served(cap)) is not None:
-                self._hold = (best, now)
-                good, answers, _, _ = self._scores[best]
-                why = (
-                    f"{missed} with no smaller batch left to try: the targets are out of the cap's reach; "
-                    f"back to the cap that served best, {best} ({good:.2f} good/s, {answers:.2f} answers/s)"
+                return self._hold_best(
+                    best, now, j, "upstream", f"{missed} with no smaller batch left to try"
                 )
-                self._publish(j, "upstream", True)
-                return self._move(best, now, why)
             self._publish(j, "upstream", new == cap)
             return self._move(new, now, f"{missed}: a smaller batch")
         self._hold = None
@@ -469,16 +464,24 @@ class Goodput:
             # Boxed in: the wait misses here and the cap above missed upstream. Staying put serves
             # nothing: on the H100's closed loop the cap sat 50 s at 9 at 0 good/s, between 9 (the
             # wait) and 10 (upstream), while 14 had served 2.80 good/s (docs/gpu.md, the eighth lease).
-            self._hold = (best, now)
-            good, answers, _, _ = self._scores[best]
-            why = (
-                f"{why}, and no larger batch left to try: the targets are out of the cap's reach; back to "
-                f"the cap that served best, {best} ({good:.2f} good/s, {answers:.2f} answers/s)"
-            )
-            self._publish(j, "door", True)
-            return self._move(best, now, why)
+            return self._hold_best(best, now, j, "door", f"{why}, and no larger batch left to try")
         self._publish(j, "door", new == cap)
         return self._move(new, now, why)
+
+    def _hold_best(
+        self, best: int, now: float, j: Judgment, verdict: Verdict, why: str
+    ) -> LimitChange | None:
+        """Out of the cap's reach (`why`: what missed, with no step left to try): hold `best`, the cap that
+        served best, and go back to it."""
+        self._hold = (best, now)
+        good, answers, _, _ = self._scores[best]
+        self._publish(j, verdict, True)
+        return self._move(
+            best,
+            now,
+            f"{why}: the targets are out of the cap's reach; back to the cap that served best, {best} "
+            f"({good:.2f} good/s, {answers:.2f} answers/s)",
+        )
 
     def _behind(
         self, now: float, arrived: int | None, queued: int, in_flight: int, upstream_s: float | None
