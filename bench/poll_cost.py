@@ -13,8 +13,12 @@ waits until it serves and puts some load through it so the histograms hold data.
   so the kernel's loopback work counts), medians with spread:
     full parse  `prometheus_client.parser.text_string_to_metric_families` over the whole /metrics text
                 (fetched untimed just before)
+    extract     `extract` over the filtered answer the poll gets: what a poll parses when vLLM's
+                figures moved (a busy server)
     poll cycle  one tunerd poll: scrape of vLLM (name[]-filtered, keep-alive) + extraction + host
-                sample + GPU sample + signal-window update, what the daemon's poll job and main loop do
+                sample + GPU sample + signal-window update, what the daemon's poll job and main loop do;
+                vLLM is idle here, so its answer repeats and is not parsed again (`SameBodySameSample`):
+                how many of the cycles' answers repeated the one before is printed too
   and a breakdown of the cycle.
 - The verdict: the running `tunerd run` process itself, left alone for --daemon-seconds: its CPU share
   (utime + stime from /proc/<pid>/stat over that interval, in percent of one core) and its resident
@@ -25,6 +29,7 @@ waits until it serves and puts some load through it so the histograms hold data.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -42,7 +47,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tunerd.observe.poller import Poller, PollTarget
 from tunerd.observe.signals import SignalWindow
-from tunerd.observe.vllm_metrics import filtered_metrics_url, scrape
+from tunerd.observe.vllm_metrics import extract, filtered_metrics_url, scrape
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -154,16 +159,20 @@ def measure(base_url: str, root_pid: int, polls: int) -> None:
     poller.target = PollTarget(1, base_url, root_pid)
     window = SignalWindow(60.0)
     client = httpx.Client(trust_env=False)
-    full, cycle, scrape_only, host_only, gpu_only, window_only = [], [], [], [], [], []
-    sizes = []
+    full, parsed, cycle, scrape_only, host_only, gpu_only, window_only = [], [], [], [], [], [], []
+    sizes, answers = [], []
+    filtered = filtered_metrics_url(base_url, cache_config=False)
     for i in range(polls):
         text = client.get(f"{base_url}/metrics").text
         sizes.append(text.count("\n"))
         full.append(cpu_ms(lambda t=text: list(text_string_to_metric_families(t))))
+        answer = client.get(filtered).text
+        parsed.append(cpu_ms(lambda a=answer: extract(a)))
 
         def one_cycle() -> None:
             sample = poller.poll()
             window.update(sample.taken_at, sample.scrape.sample if sample.scrape else None, sample.readings)
+            answers.append(sample.scrape.sample if sample.scrape else None)
 
         cycle.append(cpu_ms(one_cycle))
         if i % 3 == 0:  # the parts, on their own, for the breakdown
@@ -183,10 +192,16 @@ def measure(base_url: str, root_pid: int, polls: int) -> None:
         f"{last.scrape.body_bytes} bytes of it (name[] filter; {first.body_bytes} bytes on a run's first "
         "poll, with vllm:cache_config_info)"
     )
+    repeated = sum(1 for before, now in itertools.pairwise(answers) if now is before)
     say(f"full parse of the page (prometheus_client.parser)      {spread(full)}")
+    say(f"extract of the poll's answer (vLLM's figures moved)    {spread(parsed)}")
     say(f"one poll cycle (scrape+extract+host+GPU+signals)       {spread(cycle)}")
     say(
-        f"   scrape + extract {statistics.median(scrape_only):.3f} ms"
+        f"   idle vLLM: {repeated} of the {len(answers) - 1} answers after the first repeated the one"
+        " before and were not parsed again"
+    )
+    say(
+        f"   scrape {statistics.median(scrape_only):.3f} ms"
         f" · host {statistics.median(host_only):.3f} ms"
         f" · GPU {statistics.median(gpu_only):.3f} ms ({'no GPU' if not last.gpu.available else 'NVML'})"
         f" · signal window {statistics.median(window_only):.3f} ms"

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tunerd.faces.http import SHUTDOWN_POLL_S  # shutdown() waits up to one poll
+from tunerd.observe import vllm_metrics
 from tunerd.observe.gpu import GpuSample
 from tunerd.observe.poller import Poller, PollTarget
 from tunerd.observe.vllm_metrics import extract
@@ -38,15 +39,16 @@ class FakeVllm(BaseHTTPRequestHandler):
         names = [v for k, v in urllib.parse.parse_qsl(query) if k == "name[]"]
         self.server.asked.append((path, names))  # type: ignore[attr-defined]
         self.server.peers.append(self.client_address)  # type: ignore[attr-defined]
+        metrics = self.server.metrics  # type: ignore[attr-defined]
         if path == "/metrics/" and self.server.filtering:  # type: ignore[attr-defined]
             lines = [
                 line
-                for line in METRICS.splitlines(keepends=True)
+                for line in metrics.splitlines(keepends=True)
                 if line.startswith("#") or line.split("{", 1)[0].split(" ", 1)[0] in names
             ]
             body = "".join(lines).encode()
         elif path == "/metrics":
-            body = METRICS.encode()
+            body = metrics.encode()
         else:
             self.send_response(404)
             self.send_header("Content-Length", "0")
@@ -64,6 +66,7 @@ def vllm() -> Iterator[ThreadingHTTPServer]:
     httpd.asked = []  # type: ignore[attr-defined]
     httpd.peers = []  # type: ignore[attr-defined]
     httpd.filtering = True  # type: ignore[attr-defined]
+    httpd.metrics = METRICS  # type: ignore[attr-defined]  # what it answers now
     thread = threading.Thread(target=httpd.serve_forever, args=(SHUTDOWN_POLL_S,), daemon=True)
     thread.start()
     yield httpd
@@ -111,6 +114,27 @@ def test_whole_page_when_the_filtered_form_is_refused(vllm: ThreadingHTTPServer)
         scrape = poller.poll().scrape
         assert scrape is not None and scrape.error is None and scrape.sample == extract(METRICS)
     assert [path for path, _ in vllm.asked] == ["/metrics/", "/metrics", "/metrics"]  # type: ignore[attr-defined]
+    poller.close()
+
+
+def test_an_answer_equal_to_the_last_is_not_parsed_again(
+    vllm: ThreadingHTTPServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parsed: list[str] = []
+    counted = lambda text, **kw: parsed.append(text) or extract(text, **kw)  # noqa: E731
+    monkeypatch.setattr(vllm_metrics, "extract", counted)
+    poller = poller_for(vllm)
+    first, second, idle = (poller.poll().scrape for _ in range(3))
+    assert len(parsed) == 2  # the run's first answer (with the info) and the next: the third equals it
+    assert idle is not None and second is not None and idle.sample is second.sample
+    assert idle.error is None and idle.body_bytes == second.body_bytes  # still scraped, only not parsed
+
+    running = 'vllm:num_requests_running{engine="0",model_name="/models/qwen3-tiny"}'
+    vllm.metrics = METRICS.replace(f"{running} 0.0", f"{running} 3.0")  # type: ignore[attr-defined]
+    busy = poller.poll().scrape
+    assert len(parsed) == 3 and busy is not None and busy.sample is not None
+    assert busy.sample.requests_running == 3.0
+    assert busy.sample.cache_config == first.sample.cache_config  # type: ignore[union-attr]
     poller.close()
 
 

@@ -16,10 +16,12 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tunerd.observe import vllm_metrics
 from tunerd.observe.vllm_metrics import (
     EngineSample,
     Histogram,
     MetricsParseError,
+    SameBodySameSample,
     ScrapeResult,
     extract,
     filtered_metrics_url,
@@ -482,3 +484,40 @@ def test_filtered_url_can_leave_out_the_static_cache_config() -> None:
     assert "cache_config_info" in urllib.parse.unquote(with_info)
     assert "cache_config_info" not in urllib.parse.unquote(without)
     assert with_info.startswith(without + "&")
+
+
+# --- the same body again ----------------------------------------------------------------------------
+
+
+def test_the_same_text_again_is_answered_without_parsing_and_anything_else_is_parsed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    parsed: list[str] = []
+    counted = lambda text, **kw: parsed.append(text) or extract(text, **kw)  # noqa: E731
+    monkeypatch.setattr(vllm_metrics, "extract", counted)
+    text = (CPU / "metrics_idle.prom").read_text()
+    parse = SameBodySameSample()
+    first = parse(text)
+    assert parse(text) is first and len(parsed) == 1
+
+    info = {"block_size": "16"}
+    carried = parse(text, cache_config=info)  # another cache_config: another sample
+    assert len(parsed) == 2 and parse(text, cache_config=info) is carried and len(parsed) == 2
+    assert parse(text, cache_config=dict(info)) == carried and len(parsed) == 3  # compared by identity
+
+    preemptions = 'vllm:num_preemptions_total{engine="0",model_name="/models/qwen3-tiny"}'
+    moved = text.replace(f"{preemptions} 0.0", f"{preemptions} 5.0")  # one counter moved
+    assert parse(moved).preemptions_total == 5.0 and len(parsed) == 4
+    with pytest.raises(MetricsParseError):
+        parse(text[:-1])  # cut: rejected, and rejected again (a failure is not remembered)
+    with pytest.raises(MetricsParseError):
+        parse(text[:-1])
+    assert len(parsed) == 6
+
+
+def test_scrape_parses_with_the_callers_parser() -> None:
+    body = (CPU / "metrics_idle.prom").read_bytes()
+    parse = SameBodySameSample()
+    with client_for(lambda request: httpx.Response(200, content=body)) as client:
+        first, again = (scrape(client, URL, parse=parse) for _ in range(2))
+    assert first.sample is not None and again.sample is first.sample and again.body_bytes == len(body)

@@ -17,7 +17,7 @@ import httpx
 
 from tunerd.observe.gpu import GpuCollector, GpuSample
 from tunerd.observe.host import HostCollector, HostSample
-from tunerd.observe.vllm_metrics import ScrapeResult, filtered_metrics_url, scrape
+from tunerd.observe.vllm_metrics import SameBodySameSample, ScrapeResult, filtered_metrics_url, scrape
 from tunerd.procfs import processes as procfs
 
 PIDS_REFRESH_S = 10.0  # walking /proc for the engine's tree costs ~1 ms: not every poll
@@ -69,7 +69,8 @@ class Poller:
 
     Per run it asks vLLM for `vllm:cache_config_info` only until one answer has it (static for a run, and
     a large share of the filtered answer); later samples carry that `cache_config` on. Scrapes go over
-    one keep-alive `httpx.Client` (no proxies from the environment: vLLM is local).
+    one keep-alive `httpx.Client` (no proxies from the environment: vLLM is local), and an answer equal
+    to the last one is not parsed again (`SameBodySameSample`: an idle vLLM's).
     """
 
     def __init__(
@@ -94,6 +95,7 @@ class Poller:
         self._pids_at = float("-inf")
         self._filtered = True  # False once vLLM (or a proxy) refused /metrics/?name[]=…
         self._cache_config: Mapping[str, str] | None = None  # the run's, once read
+        self._parse = SameBodySameSample()
 
     def tick(self) -> None:
         sample = self.poll()
@@ -121,6 +123,7 @@ class Poller:
         self._faults = FaultCounter()
         self._pids, self._pids_at = [], float("-inf")
         self._filtered, self._cache_config = True, None
+        self._parse = SameBodySameSample()
 
     def _engine_pids(self, target: PollTarget | None, now: float) -> list[int]:
         if target is None:
@@ -133,16 +136,20 @@ class Poller:
     def _scrape(self, target: PollTarget | None) -> ScrapeResult | None:
         if target is None or target.base_url is None:
             return None
-        result = scrape(self.client, self._metrics_url(target.base_url), cache_config=self._cache_config)
+        result = self._scrape_once(target.base_url)
         if result.error is not None and self._filtered and result.error.startswith("HTTP "):
             # A vLLM (or proxy) that does not serve /metrics/?name[]=…: fall back to the whole page.
             self._filtered = False
-            result = scrape(self.client, self._metrics_url(target.base_url), cache_config=self._cache_config)
+            result = self._scrape_once(target.base_url)
         sample = result.sample
         if sample is not None and sample.cache_config is not None and self._cache_config is None:
             # The run's first: carried on from now on, and no longer asked for (when filtering).
             self._cache_config = sample.cache_config
         return result
+
+    def _scrape_once(self, base_url: str) -> ScrapeResult:
+        url = self._metrics_url(base_url)
+        return scrape(self.client, url, cache_config=self._cache_config, parse=self._parse)
 
     def _metrics_url(self, base_url: str) -> str:
         if not self._filtered:
