@@ -5,6 +5,7 @@
     python3 bench/gpu_goodput.py tunerd --workload open|open10|open8|closed --out DIR [--result FILE]
                                         [--budget-s N]
     python3 bench/gpu_goodput.py caps --workloads closed --caps closed=16,14 --window-s 40 ...  (a recheck)
+    python3 bench/gpu_goodput.py same   --workload closed --caps closed=16,14 --window-s 45 --out DIR ...
 
 Run on the H200 machine with vLLM 0.24.0 from ../shared/tools/gpu-vllm, its `device.sh env` sourced (and
 structlog, APScheduler, tzlocal installed with `device.sh extra`). The engine is gpu_story.py's KV-bound
@@ -25,6 +26,9 @@ Contenders:
   (the door steers its cap, tuning on with gpu_story.py's shortened rules and windows), the load on from
   the first serving until nothing has changed for `QUIET_S` (no trial running, no cap move, no restart)
   or the budget is spent. Figures: the last `FINAL_S` of answers, the whole run, the rolling attainment.
+- `same`: both on ONE vLLM start (one `tunerd run`): the caps of `caps` for `--workload` with tuning off,
+  then tuning on (SIGHUP) and the cap unpinned from none, followed as `tunerd` is: a comparison without
+  the spread between starts.
 
 Figures per point: goodput (good answers/s), attainment, throughput (answered tokens/s), TTFT and TPOT
 p50/p95 (bench/workloads.py window_figures), preemptions/s (vLLM's counter, sampled every 2 s), vLLM
@@ -40,6 +44,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -353,27 +358,13 @@ def caps(args: argparse.Namespace, budget: Budget, results: Results) -> None:
         daemon.wait_state("RUNNING", timeout=s.startup_s + 60)
         results.data["start_s"] = time.monotonic() - began
         say(f"vLLM serving under tunerd after {results.data['start_s']:.1f} s (tuning off, door on)")
-        door, vllm = urls(daemon)
         first = True
-        with Preemptions(vllm) as preempt:
+        with Preemptions(urls(daemon)[1]) as preempt:
             for name in args.workloads.split(","):
                 w = workloads[name]
                 rows: dict[str, Any] = results.data.setdefault("caps", {}).setdefault(name, {})
-                sweep_began = time.monotonic()
-                for cap in (None, *all_caps[name]):
-                    need = s.settle_s + s.window_s + (s.first_settle_s if first else 0) + 20 + s.reserve_s
-                    if budget.left() < need:
-                        say(f"  {name} cap {cap}: not measured, {budget.left():.0f} s left")
-                        rows[str(cap)] = None
-                        continue
-                    daemon.cli("door", "--max-in-flight", "none" if cap is None else str(cap))
-                    settle = s.settle_s + (s.first_settle_s if first else 0)
-                    first = False
-                    figures = measure(door, preempt, args.model, w, settle, s.window_s)
-                    figures["minutes_into_sweep"] = (time.monotonic() - sweep_began) / 60
-                    rows[str(cap)] = figures
-                    say(f"  {name} cap {'none' if cap is None else cap}: {line(figures)}")
-                    results.save()
+                sweep_caps(daemon, args, s, w, all_caps[name], budget, preempt, rows, results, first=first)
+                first = False
                 results.data.setdefault("oracle", {})[name] = oracle(rows, w)
                 results.save()
     finally:
@@ -383,6 +374,41 @@ def caps(args: argparse.Namespace, budget: Budget, results: Results) -> None:
         daemon.stop(timeout=120)
         keep(daemon, args.out, "caps")
         daemon.cleanup()
+
+
+def sweep_caps(
+    daemon: Daemon,
+    args: argparse.Namespace,
+    s: Settings,
+    w: Workload,
+    caps: tuple[int, ...],
+    budget: Budget,
+    preempt: Preemptions,
+    rows: dict[str, Any],
+    results: Results,
+    *,
+    first: bool,
+    keep_s: float = 0.0,
+) -> None:
+    """`w` through the door with its cap off (= vLLM's defaults), then pinned at each of `caps`
+    (`tunerd door --max-in-flight N`, no restart), a point each into `rows`; a point that would leave
+    less than `keep_s` of the budget (besides the reserve) is not measured (None)."""
+    door = urls(daemon)[0]
+    sweep_began = time.monotonic()
+    for cap in (None, *caps):
+        need = s.settle_s + s.window_s + (s.first_settle_s if first else 0) + 20 + s.reserve_s + keep_s
+        if budget.left() < need:
+            say(f"  {w.name} cap {cap}: not measured, {budget.left():.0f} s left")
+            rows[str(cap)] = None
+            continue
+        daemon.cli("door", "--max-in-flight", "none" if cap is None else str(cap))
+        settle = s.settle_s + (s.first_settle_s if first else 0)
+        first = False
+        figures = measure(door, preempt, args.model, w, settle, s.window_s)
+        figures["minutes_into_sweep"] = (time.monotonic() - sweep_began) / 60
+        rows[str(cap)] = figures
+        say(f"  {w.name} cap {'none' if cap is None else cap}: {line(figures)}")
+        results.save()
 
 
 def oracle(rows: dict[str, Any], w: Workload) -> dict[str, Any]:
@@ -413,7 +439,7 @@ CHANGES = (
 
 def tunerd(args: argparse.Namespace, budget: Budget, results: Results) -> None:
     s, w = settings_of(args), workloads_of(args)[args.workload]
-    objective = {"kind": "goodput", "ttft_s": w.ttft_s, "tpot_s": w.tpot_s, "attainment": ATTAINMENT}
+    objective = goodput_objective(w)
     work = args.out / f"tunerd-{w.name}-work"
     work.mkdir(parents=True, exist_ok=True)
     (work / "rules.toml").write_text(shortened_rules())
@@ -422,81 +448,155 @@ def tunerd(args: argparse.Namespace, budget: Budget, results: Results) -> None:
     daemon.start()
     run: dict[str, Any] = {"objective": objective}
     results.data["tunerd"] = run
-    load = None
     try:
         daemon.wait_state("RUNNING", timeout=s.startup_s + 60)
         run["start_s"] = time.monotonic() - began
         say(f"vLLM serving under tunerd after {run['start_s']:.1f} s; {w.name} through the door")
-        door, vllm = urls(daemon)
-        trace: list[dict[str, Any]] = []
-        run["cap_trace"] = trace
-        with Preemptions(vllm) as preempt:
-            load = w.load(door, args.model, SEED).start()
-            load_began = last_change = time.monotonic()
-            seen = 0
-            while budget.left() > s.reserve_s + 15:
-                time.sleep(5.0)  # a look at the daemon, not a synchronisation
-                now = time.monotonic()
-                for record in daemon.records():
-                    if record["seq"] > seen:
-                        seen = record["seq"]
-                        if record["event"].startswith(CHANGES):
-                            last_change = now
-                            say(f"  {record['event']} {brief(record)}")
-                point = {"t": round(now - load_began, 1), "answered": len(load.stats.answers)}
-                try:
-                    st = daemon.status()
-                    point |= {k: st.get("door", {}).get(k) for k in ("max_in_flight", "in_flight", "queued")}
-                    limit = st.get("door", {}).get("limit") or {}
-                    point |= {f"limit_{k}": limit.get(k) for k in ("mode", "verdict", "attainment")}
-                    point["engine"] = st.get("engine", {}).get("state")
-                    point["trial"] = bool((st.get("tuning") or {}).get("trial"))
-                except (OSError, httpx.HTTPError, ValueError):
-                    pass
-                if trace and point.get("max_in_flight") != trace[-1].get("max_in_flight"):
-                    last_change = now  # door.limit is journaled at most every 30 s: the cap itself moved
-                trace.append(point)
-                quiet = now - last_change
-                if now - load_began >= s.min_run_s and quiet >= s.quiet_s and not point.get("trial"):
-                    say(f"  nothing changed for {quiet:.0f} s: stopping")
-                    break
-            ended = time.monotonic()
-            stats = load.stop(timeout_s=120)
-            load_used, load = load, None
-            finals = window_figures(stats.answers, w, max(load_began, ended - s.final_s), ended)
-            whole = window_figures(stats.answers, w, load_began, ended)
-            finals["preemptions_per_s"] = preempt.rate(max(load_began, ended - s.final_s), ended)
-            whole["preemptions_per_s"] = preempt.rate(load_began, ended)
-        series, feasible = first_feasible(stats.answers, w, load_began, ended, s.rolling_s)
-        ready = [r for r in daemon.records() if r["event"] == "engine.ready"]
-        run |= {
-            "final": finals,
-            "whole": whole,
-            "errors": len(stats.errors),
-            "error_sample": stats.errors[:5],
-            **offered(load_used),
-            "restarts": len(ready) - 1,
-            "params": ready[-1].get("params") if ready else None,
-            "minutes": (ended - load_began) / 60,
-            "minutes_to_feasible": None if feasible is None else feasible / 60,
-            "series": series,
-            "caps": [
-                [r["time"], r.get("old"), r.get("new"), r.get("why")]
-                for r in daemon.records()
-                if r["event"] in ("door.limit", "door.max_in_flight")
-            ],
-            "trials": [brief(r) for r in daemon.records() if r["event"].startswith("trial.")],
-        }
-        say(f"  final {s.final_s:.0f} s: {line(finals)}")
-        say(f"  whole run ({run['minutes']:.1f} min): {line(whole)}")
-        say(f"  restarts {run['restarts']}, first feasible {run['minutes_to_feasible']} min")
+        with Preemptions(urls(daemon)[1]) as preempt:
+            follow(daemon, args, s, w, budget, preempt, run)
     finally:
-        if load is not None:
-            load.stop(timeout_s=30)
         results.save()
         snapshot(daemon, args.out, f"tunerd-{w.name}")
         daemon.stop(timeout=120)
         keep(daemon, args.out, f"tunerd-{w.name}")
+        daemon.cleanup()
+
+
+def goodput_objective(w: Workload) -> dict[str, Any]:
+    return {"kind": "goodput", "ttft_s": w.ttft_s, "tpot_s": w.tpot_s, "attainment": ATTAINMENT}
+
+
+def follow(
+    daemon: Daemon,
+    args: argparse.Namespace,
+    s: Settings,
+    w: Workload,
+    budget: Budget,
+    preempt: Preemptions,
+    run: dict[str, Any],
+) -> None:
+    """`w` through the door of a daemon that tunes (the door steers its cap, rules may restart vLLM) until
+    nothing has changed for `s.quiet_s` after `s.min_run_s` of load, or the budget is spent; its figures
+    (the last `s.final_s`, the whole run, the restarts, the caps, the trials) into `run`."""
+    door = urls(daemon)[0]
+    ready_before = len([r for r in daemon.records() if r["event"] == "engine.ready"])
+    followed_from = daemon.last_seq()  # the journal's records from here on are this run's
+    trace: list[dict[str, Any]] = []
+    run["cap_trace"] = trace
+    load = w.load(door, args.model, SEED).start()
+    try:
+        load_began = last_change = time.monotonic()
+        seen = followed_from
+        while budget.left() > s.reserve_s + 15:
+            time.sleep(5.0)  # a look at the daemon, not a synchronisation
+            now = time.monotonic()
+            for record in daemon.records():
+                if record["seq"] > seen:
+                    seen = record["seq"]
+                    if record["event"].startswith(CHANGES):
+                        last_change = now
+                        say(f"  {record['event']} {brief(record)}")
+            point = {"t": round(now - load_began, 1), "answered": len(load.stats.answers)}
+            try:
+                st = daemon.status()
+                point |= {k: st.get("door", {}).get(k) for k in ("max_in_flight", "in_flight", "queued")}
+                limit = st.get("door", {}).get("limit") or {}
+                point |= {f"limit_{k}": limit.get(k) for k in ("mode", "verdict", "attainment")}
+                point["engine"] = st.get("engine", {}).get("state")
+                point["trial"] = bool((st.get("tuning") or {}).get("trial"))
+            except (OSError, httpx.HTTPError, ValueError):
+                pass
+            if trace and point.get("max_in_flight") != trace[-1].get("max_in_flight"):
+                last_change = now  # door.limit is journaled at most every 30 s: the cap itself moved
+            trace.append(point)
+            quiet = now - last_change
+            if now - load_began >= s.min_run_s and quiet >= s.quiet_s and not point.get("trial"):
+                say(f"  nothing changed for {quiet:.0f} s: stopping")
+                break
+        ended = time.monotonic()
+        stats = load.stop(timeout_s=120)
+    except BaseException:
+        load.stop(timeout_s=30)
+        raise
+    finals = window_figures(stats.answers, w, max(load_began, ended - s.final_s), ended)
+    whole = window_figures(stats.answers, w, load_began, ended)
+    finals["preemptions_per_s"] = preempt.rate(max(load_began, ended - s.final_s), ended)
+    whole["preemptions_per_s"] = preempt.rate(load_began, ended)
+    series, feasible = first_feasible(stats.answers, w, load_began, ended, s.rolling_s)
+    ready = [r for r in daemon.records() if r["event"] == "engine.ready"]
+    run |= {
+        "final": finals,
+        "whole": whole,
+        "errors": len(stats.errors),
+        "error_sample": stats.errors[:5],
+        **offered(load),
+        "restarts": len(ready) - ready_before,
+        "params": ready[-1].get("params") if ready else None,
+        "minutes": (ended - load_began) / 60,
+        "minutes_to_feasible": None if feasible is None else feasible / 60,
+        "series": series,
+        "caps": [
+            [r["time"], r.get("old"), r.get("new"), r.get("why")]
+            for r in daemon.records()
+            if r["event"] in ("door.limit", "door.max_in_flight") and r["seq"] > followed_from
+        ],
+        "trials": [
+            brief(r) for r in daemon.records() if r["event"].startswith("trial.") and r["seq"] > followed_from
+        ],
+    }
+    say(f"  final {s.final_s:.0f} s: {line(finals)}")
+    say(f"  whole run ({run['minutes']:.1f} min): {line(whole)}")
+    say(f"  restarts {run['restarts']}, first feasible {run['minutes_to_feasible']} min")
+
+
+# -- the static caps and tunerd on one vLLM start ---------------------------------------------------------
+
+
+def same(args: argparse.Namespace, budget: Budget, results: Results) -> None:
+    """The static caps and tunerd under `args.workload` on ONE vLLM start, so that the start-to-start
+    spread (docs/gpu.md: the closed loop's best cap served 0.62 good/s on one start and 3.75 on another)
+    is not in the comparison. One `tunerd run` with the goodput objective at the workload's targets and
+    tuning off: the cap off (= vLLM's defaults) and each cap of `CAPS`, pinned, a fresh load each, as in
+    `caps`; then tuning on (SIGHUP, the same config but `[tuning] mode = "auto"`), the cap unpinned from
+    none (`tunerd door --steer`: steered from vLLM's own limit, as from the defaults) and `follow`ed as in
+    `tunerd`, with at least `s.min_run_s` of the budget kept for it. A restart during tunerd's part is
+    counted (it moves tunerd off the start the caps were measured on)."""
+    s, w = settings_of(args), workloads_of(args)[args.workload]
+    objective = goodput_objective(w)
+    work = args.out / f"same-{w.name}-work"
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "rules.toml").write_text(shortened_rules())
+    config = sections(args, objective, "off")
+    daemon = Daemon(work, config)
+    began = time.monotonic()
+    daemon.start()
+    run: dict[str, Any] = {"objective": objective}
+    rows: dict[str, Any] = {}
+    results.data |= {"caps": {w.name: rows}, "tunerd": run}
+    try:
+        daemon.wait_state("RUNNING", timeout=s.startup_s + 60)
+        results.data["start_s"] = time.monotonic() - began
+        say(f"vLLM serving under tunerd after {results.data['start_s']:.1f} s (tuning off, door on)")
+        with Preemptions(urls(daemon)[1]) as preempt:
+            keep_s = s.min_run_s + 30
+            sweep_caps(daemon, args, s, w, caps_of(args)[w.name], budget, preempt, rows, results,
+                       first=True, keep_s=keep_s)  # fmt: skip
+            results.data.setdefault("oracle", {})[w.name] = oracle(rows, w)
+            results.save()
+            daemon.cli("door", "--max-in-flight", "none")
+            mark = daemon.last_seq()
+            config["tuning"]["mode"] = "auto"
+            daemon.write_config(config)
+            daemon.signal(signal.SIGHUP)
+            daemon.wait_event("config.reloaded", after_seq=mark, timeout=60)
+            daemon.cli("door", "--steer")
+            say(f"tuning on, the cap steered from none; {w.name} through the door")
+            follow(daemon, args, s, w, budget, preempt, run)
+    finally:
+        results.save()
+        snapshot(daemon, args.out, f"same-{w.name}")
+        daemon.stop(timeout=120)
+        keep(daemon, args.out, f"same-{w.name}")
         daemon.cleanup()
 
 
@@ -538,7 +638,7 @@ def caps_of(args: argparse.Namespace) -> dict[str, tuple[int, ...]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=("caps", "tunerd"))
+    parser.add_argument("part", choices=("caps", "tunerd", "same"))
     parser.add_argument("--out", type=Path, required=True, help="captures (journals, logs, status)")
     parser.add_argument("--result", type=Path, help="the JSON of figures (default OUT/PART.json)")
     parser.add_argument("--model", default=MODEL)
@@ -577,7 +677,7 @@ def main() -> int:
     say(f"{args.part}: params {PARAMS}; " + "; ".join(f"{n}: {w.describe()}" for n, w in workloads.items()))
     began = time.monotonic()
     try:
-        (caps if args.part == "caps" else tunerd)(args, budget, results)
+        {"caps": caps, "tunerd": tunerd, "same": same}[args.part](args, budget, results)
     finally:
         results.data["command_s"] = time.monotonic() - began
         results.save()

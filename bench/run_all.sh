@@ -7,9 +7,9 @@
 #                                    # not yet timed end to end)
 #   bash bench/run_all.sh --quick    # fewer points, short windows: every path; writes under
 #                                    # $TMPDIR/tunerd-bench-quick, not docs/. Timed 2026-12-05 on 2 cores:
-#                                    # 19 min 13 s (goodput_proof 11 min of it; 25:39 before its quick
-#                                    # run shrank); poll_cost's 20 s window read the idle daemon at
-#                                    # 2.05, 1.50 and 2.15 % of a core in three runs (budget 1.5 %)
+#                                    # 17 min 06 s, rc 0 (goodput_proof 10 min of it; 25:39 before its
+#                                    # quick run shrank); poll_cost read the idle daemon at 1.10 % of a
+#                                    # core (budget 1.5 %; 1.50-2.15 % before 8327f41)
 #
 # Needs the repository's .venv with vLLM (bash scripts/test.sh or scripts/quickstart.sh makes it);
 # installs the plotting extra (matplotlib) into it when missing. Run nothing else heavy beside it: every
