@@ -50,6 +50,8 @@ import tempfile
 import threading
 import time
 import tomllib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
@@ -440,30 +442,43 @@ CHANGES = (
 def tunerd(args: argparse.Namespace, budget: Budget, results: Results) -> None:
     s, w = settings_of(args), workloads_of(args)[args.workload]
     objective = goodput_objective(w)
-    work = args.out / f"tunerd-{w.name}-work"
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "rules.toml").write_text(shortened_rules())
-    daemon = Daemon(work, sections(args, objective, "auto"))
+    name = f"tunerd-{w.name}"
+    daemon = tuning_daemon(args.out / f"{name}-work", sections(args, objective, "auto"))
     began = time.monotonic()
-    daemon.start()
     run: dict[str, Any] = {"objective": objective}
     results.data["tunerd"] = run
-    try:
+    with captured(daemon, args.out, name, results):
         daemon.wait_state("RUNNING", timeout=s.startup_s + 60)
         run["start_s"] = time.monotonic() - began
         say(f"vLLM serving under tunerd after {run['start_s']:.1f} s; {w.name} through the door")
         with Preemptions(urls(daemon)[1]) as preempt:
             follow(daemon, args, s, w, budget, preempt, run)
-    finally:
-        results.save()
-        snapshot(daemon, args.out, f"tunerd-{w.name}")
-        daemon.stop(timeout=120)
-        keep(daemon, args.out, f"tunerd-{w.name}")
-        daemon.cleanup()
 
 
 def goodput_objective(w: Workload) -> dict[str, Any]:
     return {"kind": "goodput", "ttft_s": w.ttft_s, "tpot_s": w.tpot_s, "attainment": ATTAINMENT}
+
+
+def tuning_daemon(work: Path, config: dict[str, dict[str, Any]]) -> Daemon:
+    """A daemon (not started) in `work` with `config` and the shortened rules beside it."""
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "rules.toml").write_text(shortened_rules())
+    return Daemon(work, config)
+
+
+@contextmanager
+def captured(daemon: Daemon, out: Path, name: str, results: Results) -> Iterator[None]:
+    """Start `daemon`; at the end, however it came: the results saved, its status, trials and journal
+    (`snapshot`), then stopped, its journal and logs (`keep`) under `out`/name-*."""
+    daemon.start()
+    try:
+        yield
+    finally:
+        results.save()
+        snapshot(daemon, out, name)
+        daemon.stop(timeout=120)
+        keep(daemon, out, name)
+        daemon.cleanup()
 
 
 def follow(
@@ -563,17 +578,14 @@ def same(args: argparse.Namespace, budget: Budget, results: Results) -> None:
     counted (it moves tunerd off the start the caps were measured on)."""
     s, w = settings_of(args), workloads_of(args)[args.workload]
     objective = goodput_objective(w)
-    work = args.out / f"same-{w.name}-work"
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "rules.toml").write_text(shortened_rules())
+    name = f"same-{w.name}"
     config = sections(args, objective, "off")
-    daemon = Daemon(work, config)
+    daemon = tuning_daemon(args.out / f"{name}-work", config)
     began = time.monotonic()
-    daemon.start()
     run: dict[str, Any] = {"objective": objective}
     rows: dict[str, Any] = {}
     results.data |= {"caps": {w.name: rows}, "tunerd": run}
-    try:
+    with captured(daemon, args.out, name, results):
         daemon.wait_state("RUNNING", timeout=s.startup_s + 60)
         results.data["start_s"] = time.monotonic() - began
         say(f"vLLM serving under tunerd after {results.data['start_s']:.1f} s (tuning off, door on)")
@@ -592,12 +604,6 @@ def same(args: argparse.Namespace, budget: Budget, results: Results) -> None:
             daemon.cli("door", "--steer")
             say(f"tuning on, the cap steered from none; {w.name} through the door")
             follow(daemon, args, s, w, budget, preempt, run)
-    finally:
-        results.save()
-        snapshot(daemon, args.out, f"same-{w.name}")
-        daemon.stop(timeout=120)
-        keep(daemon, args.out, f"same-{w.name}")
-        daemon.cleanup()
 
 
 def offered(load: Any) -> dict[str, Any]:
